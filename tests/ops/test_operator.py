@@ -1,0 +1,157 @@
+"""The three plain-PyTorch NHA forms against a float64 brute-force oracle and against each other."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nha_oracle import make_inputs, nha_oracle, padding_mask
+from nha_retrofit.ops import nha_chunked, nha_recurrent_step, nha_reference
+
+OPERATOR_ARGS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
+
+
+def run_chunked(inputs, window, mask=None, **kwargs):
+    out, _ = nha_chunked(**inputs, window=window, attention_mask=mask, **kwargs)
+    return out
+
+
+def run_recurrent(inputs, window, mask=None):
+    """Token by token from an empty state."""
+    state, outs = None, []
+    for t in range(inputs["q"].shape[1]):
+        step = {name: inputs[name][:, t : t + 1] for name in OPERATOR_ARGS}
+        step_mask = None if mask is None else mask[:, t : t + 1]
+        out, state = nha_recurrent_step(
+            **step, window=window, scale=inputs["scale"], state=state,
+            attention_mask=step_mask, slot_bias=inputs["slot_bias"],
+        )
+        outs.append(out)
+    return torch.cat(outs, 1)
+
+
+def assert_close(actual, expected, tol):
+    assert torch.isfinite(actual).all()
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= tol, f"max abs error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("length", [1, 63, 65, 111])
+@pytest.mark.parametrize("window", [0, 1, 3, 64, "T-1", "T", None])
+def test_all_forms_match_oracle_over_windows(length, window):
+    window = {"T-1": max(length - 1, 0), "T": length}.get(window, window)
+    inputs = make_inputs(2, length, 4, 2, 8, 7)
+    mask = padding_mask(2, length, "left")
+    expected = nha_oracle(**inputs, window=window, attention_mask=mask)
+    assert_close(nha_reference(**inputs, window=window, attention_mask=mask), expected, 1e-10)
+    assert_close(run_chunked(inputs, window, mask, chunk_size=16), expected, 1e-10)
+    assert_close(run_recurrent(inputs, window, mask), expected, 1e-10)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 2), (4, 1), (2, 2)])
+@pytest.mark.parametrize("slots", [1, 7, 64])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_all_forms_match_oracle_over_gqa_slots_padding(heads, slots, side):
+    inputs = make_inputs(3, 37, heads[0], heads[1], 6, slots)
+    mask = padding_mask(3, 37, side, seed=slots)
+    expected = nha_oracle(**inputs, window=5, attention_mask=mask)
+    assert_close(nha_reference(**inputs, window=5, attention_mask=mask), expected, 1e-10)
+    assert_close(run_chunked(inputs, 5, mask, chunk_size=8), expected, 1e-10)
+    assert_close(run_recurrent(inputs, 5, mask), expected, 1e-10)
+
+
+def test_value_dim_may_differ_from_key_dim():
+    inputs = make_inputs(2, 20, 4, 2, 8, 5, value_dim=3)
+    expected = nha_oracle(**inputs, window=4)
+    assert_close(run_chunked(inputs, 4, chunk_size=8), expected, 1e-10)
+    assert_close(run_recurrent(inputs, 4), expected, 1e-10)
+
+
+@pytest.mark.parametrize("window", [None, 111, 500])
+def test_full_window_is_causal_softmax_attention(window):
+    inputs = make_inputs(2, 111, 9, 3, 16, 8)
+    mask = padding_mask(2, 111, "left")
+    keys = inputs["k_rope"].repeat_interleave(3, 2).transpose(1, 2)
+    values = inputs["v"].repeat_interleave(3, 2).transpose(1, 2)
+    allowed = torch.ones(111, 111, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    expected = F.scaled_dot_product_attention(
+        inputs["q_rope"].transpose(1, 2), keys, values, attn_mask=allowed, scale=inputs["scale"]
+    ).transpose(1, 2) * mask[:, :, None, None]
+    assert_close(nha_reference(**inputs, window=window, attention_mask=mask), expected, 1e-10)
+    assert_close(run_chunked(inputs, window, mask), expected, 1e-10)
+
+
+def test_window_zero_is_a_gated_slot_rnn():
+    """w = 0: each token is absorbed before it is read; the output is a softmax read of the slots only."""
+    inputs = make_inputs(1, 50, 2, 1, 8, 6)
+    bias = inputs["slot_bias"]
+    slot_k = torch.zeros(6, 8, dtype=torch.float64)
+    slot_v = torch.zeros(6, 8, dtype=torch.float64)
+    expected = []
+    for t in range(50):
+        alpha = inputs["log_alpha"][0, t, 0].exp()[:, None]
+        slot_k = alpha * slot_k + (1 - alpha) * inputs["k"][0, t, 0]
+        slot_v = alpha * slot_v + (1 - alpha) * inputs["v"][0, t, 0]
+        scores = inputs["scale"] * inputs["q"][0, t] @ slot_k.T + bias[:, None]  # [HQ, M]
+        expected.append(scores.softmax(-1) @ slot_v)
+    expected = torch.stack(expected)[None]
+    assert_close(nha_reference(**inputs, window=0), expected, 1e-10)
+    assert_close(run_chunked(inputs, 0), expected, 1e-10)
+
+
+@pytest.mark.parametrize("window", [0, 3, 16, 40, None])
+@pytest.mark.parametrize("split", [1, 17, 33])
+def test_chunked_continues_from_carried_state(window, split):
+    """Prefill a prefix, keep the state, feed the rest: identical to one pass (and to the recurrent form)."""
+    inputs = make_inputs(2, 45, 4, 2, 8, 5)
+    mask = padding_mask(2, 45, "left")
+    whole = run_chunked(inputs, window, mask, chunk_size=8)
+    first = {n: inputs[n][:, :split] for n in OPERATOR_ARGS}
+    rest = {n: inputs[n][:, split:] for n in OPERATOR_ARGS}
+    common = dict(window=window, scale=inputs["scale"], slot_bias=inputs["slot_bias"], chunk_size=8)
+    out1, state = nha_chunked(**first, attention_mask=mask[:, :split], output_final_state=True, **common)
+    assert state.window_length == (split if window is None else min(window, split))
+    out2, _ = nha_chunked(**rest, attention_mask=mask[:, split:], initial_state=state, **common)
+    assert_close(torch.cat([out1, out2], 1), whole, 1e-10)
+    # one recurrent step from the carried state agrees too
+    step = {n: inputs[n][:, split : split + 1] for n in OPERATOR_ARGS}
+    out3, _ = nha_recurrent_step(**step, window=window, scale=inputs["scale"], state=state,
+                                 attention_mask=mask[:, split : split + 1], slot_bias=inputs["slot_bias"])
+    assert_close(out3, whole[:, split : split + 1], 1e-10)
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    inputs = make_inputs(3, 30, 4, 2, 8, 5)
+    mask = padding_mask(3, 30, "left")
+    batched = run_chunked(inputs, 4, mask, chunk_size=8)
+    for b in range(3):
+        start = int((mask[b] == 0).sum())
+        alone = {n: inputs[n][b : b + 1, start:] for n in OPERATOR_ARGS}
+        single, _ = nha_chunked(**alone, window=4, scale=inputs["scale"], slot_bias=inputs["slot_bias"])
+        assert_close(batched[b : b + 1, start:], single, 1e-10)
+        assert (batched[b, :start] == 0).all()
+
+
+def test_float32_chunked_is_close_to_float64_reference():
+    inputs = make_inputs(2, 200, 9, 3, 64, 64, dtype=torch.float32)
+    expected = nha_reference(**{n: (x.double() if torch.is_tensor(x) else x) for n, x in inputs.items()}, window=64)
+    out = run_chunked(inputs, 64)
+    rel = ((out.double() - expected).norm() / expected.norm()).item()
+    assert out.dtype == torch.float32 and rel < 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 2, 5, None])
+def test_gradients_match_float64_gradcheck(window):
+    inputs = make_inputs(2, 9, 4, 2, 3, 3)
+    mask = padding_mask(2, 9, "right")
+    names = OPERATOR_ARGS + ("slot_bias",)
+    tensors = tuple(inputs[n].clone().requires_grad_() for n in names)
+
+    def chunked(*xs):
+        return nha_chunked(*xs[:6], window=window, scale=inputs["scale"], attention_mask=mask,
+                           slot_bias=xs[6], chunk_size=4)[0]
+
+    def reference(*xs):
+        return nha_reference(*xs[:6], window=window, scale=inputs["scale"], attention_mask=mask, slot_bias=xs[6])
+
+    assert torch.autograd.gradcheck(chunked, tensors)
+    assert torch.autograd.gradcheck(reference, tensors)
