@@ -141,8 +141,8 @@ def test_float32_chunked_is_close_to_float64_reference():
 
 @pytest.mark.parametrize("window", [0, 2, 5, None])
 def test_gradients_match_float64_gradcheck(window):
-    inputs = make_inputs(2, 9, 4, 2, 3, 3)
-    mask = padding_mask(2, 9, "right")
+    inputs = make_inputs(2, 7, 4, 2, 3, 3)
+    mask = padding_mask(2, 7, "right")
     names = OPERATOR_ARGS + ("slot_bias",)
     tensors = tuple(inputs[n].clone().requires_grad_() for n in names)
 
@@ -153,5 +153,5 @@ def test_gradients_match_float64_gradcheck(window):
     def reference(*xs):
         return nha_reference(*xs[:6], window=window, scale=inputs["scale"], attention_mask=mask, slot_bias=xs[6])
 
-    assert torch.autograd.gradcheck(chunked, tensors)
-    assert torch.autograd.gradcheck(reference, tensors)
+    assert torch.autograd.gradcheck(chunked, tensors, fast_mode=True)
+    assert torch.autograd.gradcheck(reference, tensors, fast_mode=True)
