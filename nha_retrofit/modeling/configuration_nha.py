@@ -1,0 +1,46 @@
+"""Configuration of NHA hybrids: the original family's config plus the layer plan.
+
+Saved in config.json as `nha_windows` (one entry per layer: an int window, or null for a full-attention
+layer), `nha_num_slots`, `nha_gate_normalizer` and `nha_slot_bias_init`.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+NHA_DEFAULTS = {"nha_num_slots": 64, "nha_gate_normalizer": 8.0, "nha_slot_bias_init": -4.0}
+
+
+class NHAConfigMixin:
+    """Validation shared by every family's NHA config."""
+
+    def validate_nha(self):
+        windows = self.nha_windows
+        if windows is None:
+            return
+        if len(windows) != self.num_hidden_layers:
+            raise ValueError(f"nha_windows has {len(windows)} entries for {self.num_hidden_layers} layers")
+        for layer, window in enumerate(windows):
+            if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+                raise ValueError(f"nha_windows[{layer}] = {window!r}: a window is an int >= 0, or null (full)")
+        if self.nha_num_slots < 1:
+            raise ValueError(f"nha_num_slots = {self.nha_num_slots}: at least one slot is needed")
+        if self.nha_gate_normalizer <= 0:
+            raise ValueError(f"nha_gate_normalizer = {self.nha_gate_normalizer} must be > 0")
+
+    @property
+    def nha_layer_windows(self) -> list:
+        """Per-layer windows; a config without a plan is all full attention (the original model)."""
+        return list(self.nha_windows) if self.nha_windows is not None else [None] * self.num_hidden_layers
+
+
+@strict
+class NHALlamaConfig(NHAConfigMixin, LlamaConfig):
+    model_type = "nha_llama"
+    nha_windows: list | None = None
+    nha_num_slots: int = NHA_DEFAULTS["nha_num_slots"]
+    nha_gate_normalizer: float = NHA_DEFAULTS["nha_gate_normalizer"]
+    nha_slot_bias_init: float = NHA_DEFAULTS["nha_slot_bias_init"]
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.validate_nha()

@@ -1,0 +1,171 @@
+"""NHA hybrids of Hugging Face decoder models.
+
+Each family's NHA attention is its original attention class plus a gate projection and a slot-logit offset:
+the q/k/v/o weights (biases, Qwen3's q_norm/k_norm) and RoPE are the original layer's own. A layer whose
+window is None runs the original attention code unchanged, with an ordinary KV cache; any other layer runs
+the NHA operator. This file and its relative imports are copied verbatim into converted checkpoints
+(remote code), so it imports only torch, transformers and its sibling files; nha_retrofit's Triton kernels
+are used when they import.
+"""
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+
+from .configuration_nha import NHALlamaConfig
+from .nha_cache import NHACache
+from .nha_chunked import nha_chunked
+from .nha_recurrent import nha_recurrent_step
+
+try:
+    from nha_retrofit.kernels import KERNELS_AVAILABLE, nha_chunked_triton, nha_recurrent_step_triton
+except ImportError:
+    KERNELS_AVAILABLE = False
+
+
+def nha_operator(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias, state, output_state):
+    """Pick the implementation: Triton on CUDA when available, plain PyTorch otherwise; one-token steps with a
+    carried state take the recurrent form. Returns (o, new state or None)."""
+    use_kernels = KERNELS_AVAILABLE and q.is_cuda
+    args = (q, k, v, q_rope, k_rope, log_alpha, window, scale)
+    if state is not None and q.shape[1] == 1:
+        step = nha_recurrent_step_triton if use_kernels else nha_recurrent_step
+        return step(*args, state=state, attention_mask=attention_mask, slot_bias=slot_bias)
+    chunked = nha_chunked_triton if use_kernels else nha_chunked
+    return chunked(
+        *args, attention_mask=attention_mask, slot_bias=slot_bias, initial_state=state, output_final_state=output_state
+    )
+
+
+class NHAAttentionMixin:
+    """Adds NHA to a family's attention module (mixed in before the original class)."""
+
+    rotary_fn = staticmethod(apply_rotary_pos_emb)
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.window = config.nha_layer_windows[layer_idx]
+        self.num_slots = config.nha_num_slots
+        self.gate_normalizer = config.nha_gate_normalizer
+        self.num_kv_heads = config.num_key_value_heads
+        self.g_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.num_slots, bias=False)
+        self.slot_bias = nn.Parameter(torch.full((config.num_attention_heads,), float(config.nha_slot_bias_init)))
+
+    def project_qkv(self, hidden_states):
+        """Pre-RoPE q [B, T, HQ, D], k and v [B, T, H, D], exactly as the original layer computes them."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        if hasattr(self, "q_norm"):  # Qwen3 families: per-head RMSNorm before RoPE (the slots see normed q/k too)
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, self.v_proj(hidden_states).view(shape)
+
+    def gate_log_alpha(self, hidden_states):
+        """log(alpha) = logsigmoid(g_proj(x)) / tau, per KV head and slot: [B, T, H, M] in float32."""
+        logits = self.g_proj(hidden_states).view(*hidden_states.shape[:-1], self.num_kv_heads, self.num_slots)
+        return F.logsigmoid(logits.float()) / self.gate_normalizer
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        padding_mask = kwargs.pop("nha_padding_mask", None)
+        if self.window is None:  # a full layer: the original attention, positional args across transformers 5.x
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+
+        batch, length = hidden_states.shape[:2]
+        q, k, v = self.project_qkv(hidden_states)
+        cos, sin = position_embeddings
+        q_rope, k_rope = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        out, state = nha_operator(
+            q, k, v, q_rope, k_rope, self.gate_log_alpha(hidden_states), self.window, self.scaling,
+            padding_mask, self.slot_bias, layer_cache.state if layer_cache is not None else None,
+            layer_cache is not None,
+        )
+        if layer_cache is not None:
+            layer_cache.store(state, length)
+        return self.o_proj(out.reshape(batch, length, -1)), None
+
+
+class NHAForCausalLMMixin:
+    """Swaps in NHA attention, owns the NHA cache, routes the 2-D padding mask, and changes windows."""
+
+    nha_attention_class: type
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer_idx, layer in enumerate(self.model.layers):
+            layer.self_attn = self.nha_attention_class(config, layer_idx)
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, NHAAttentionMixin):
+            with torch.no_grad():
+                module.slot_bias.fill_(self.config.nha_slot_bias_init)
+
+    def nha_attention_layers(self):
+        return [layer.self_attn for layer in self.model.layers]
+
+    def set_windows(self, windows):
+        """Change every layer's window at inference time (int >= 0, or None = full attention); the new plan is
+        written to `config.nha_windows`, so it is what `save_pretrained` records."""
+        windows = list(windows)
+        previous = self.config.nha_windows
+        self.config.nha_windows = windows
+        try:
+            self.config.validate_nha()
+        except ValueError:
+            self.config.nha_windows = previous
+            raise
+        for attention, window in zip(self.nha_attention_layers(), windows):
+            attention.window = window
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        cache=None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and not isinstance(cache, NHACache):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise TypeError(f"an NHA model needs an NHACache, got a filled {type(cache).__name__}")
+            cache = NHACache(self.config)
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            kwargs["nha_padding_mask"] = attention_mask
+        kwargs[_CACHE_ARGUMENT] = cache
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+
+# transformers renamed `past_key_values` to `cache` during 5.x; pass whichever this version's models take.
+_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+class NHALlamaAttention(NHAAttentionMixin, LlamaAttention):
+    pass
+
+
+class NHALlamaForCausalLM(NHAForCausalLMMixin, LlamaForCausalLM):
+    config_class = NHALlamaConfig
+    nha_attention_class = NHALlamaAttention
