@@ -33,7 +33,7 @@ def nha_chunked(
     slot_bias=None,
     initial_state: NHAState | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 32,
+    chunk_size: int = 16,
 ):
     """Same contract as `nha_reference`, plus an optional carried state.
 

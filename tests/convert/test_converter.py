@@ -1,0 +1,175 @@
+"""Conversion: exactness against the original, the self-contained checkpoint, gate initialisation, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from typer.testing import CliRunner
+
+from nha_retrofit.cli import app
+from nha_retrofit.convert import convert
+from nha_retrofit.eval.compare import load_nha_checkpoint
+from nha_retrofit.plan import evenly_spaced
+
+runner = CliRunner()
+
+
+def test_all_full_converted_tiny_model_equals_original(tiny_llama_folder, tmp_path):
+    out = convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, window=3, slots=5, log=lambda *_: None)
+    original = LlamaForCausalLM.from_pretrained(tiny_llama_folder).eval()
+    nha = load_nha_checkpoint(out)
+    assert nha.config.nha_windows == [3, None, 3, 3]
+    ids = torch.randint(3, 128, (2, 50))
+    with torch.no_grad():
+        hybrid = nha(ids).logits
+        nha.set_windows([None] * 4)
+        assert (nha(ids).logits - original(ids).logits).abs().max() <= 1e-5
+    assert (hybrid - original(ids).logits).abs().max() > 1e-4  # the plan does change the model
+
+
+def test_smollm2_all_full_equals_original_and_generates(smollm2_nha):
+    source, folder = smollm2_nha
+    original = LlamaForCausalLM.from_pretrained(source).eval()
+    nha = load_nha_checkpoint(folder)
+    assert nha.config.nha_windows.count(None) == 4 and set(nha.config.nha_windows) == {None, 64}
+    ids = torch.randint(0, 49152, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        nha.set_windows([None] * 30)
+        assert (nha(ids).logits - original(ids).logits).abs().max() <= 1e-5
+
+
+def test_checkpoint_loads_and_generates_where_nha_retrofit_is_absent(tiny_llama_folder, tmp_path):
+    """Fresh process, `import nha_retrofit` made impossible: only transformers + torch + the shipped files."""
+    out = convert(tiny_llama_folder, tmp_path / "nha", full_layers=2, window=4, slots=6, log=lambda *_: None)
+    nha = load_nha_checkpoint(out)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = nha(ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["nha_retrofit"] = None  # any import of the package now fails
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        saved = torch.load({str(tmp_path / "expected.pt")!r})
+        with torch.no_grad():
+            diff = (model(saved["ids"]).logits - saved["logits"]).abs().max().item()
+        generated = model.generate(saved["ids"][:, :10], max_new_tokens=5, do_sample=False, pad_token_id=0)
+        print(type(model).__name__, diff, generated.shape[1])
+    """)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    name, diff, length = result.stdout.split()[-3:]
+    assert name == "NHALlamaForCausalLM" and float(diff) <= 1e-6 and int(length) == 15
+
+
+def test_save_and_reload_gives_identical_logits(tiny_llama_folder, tmp_path):
+    out = convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, window=2, slots=3, log=lambda *_: None)
+    first = load_nha_checkpoint(out)
+    first.save_pretrained(tmp_path / "again")
+    second = load_nha_checkpoint(tmp_path / "again")
+    ids = torch.randint(3, 128, (2, 30))
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, second(ids).logits)
+
+
+@pytest.mark.parametrize("slots", [8, 5, 19])  # head_dim is 8: equal, fewer, more (cyclic)
+def test_gate_projection_starts_from_key_projection(tiny_llama_folder, tmp_path, slots):
+    out = convert(tiny_llama_folder, tmp_path / "nha", full_layers=0, slots=slots, log=lambda *_: None)
+    attention = load_nha_checkpoint(out).model.layers[1].self_attn
+    keys = attention.k_proj.weight.view(2, 8, -1)
+    gates = attention.g_proj.weight.view(2, slots, -1)
+    for i in range(slots):
+        assert torch.equal(gates[:, i], keys[:, i % 8])
+    assert torch.equal(attention.slot_bias, torch.full((6,), -4.0))
+
+
+def test_conversion_record_and_remote_code_files(tiny_llama_folder, tmp_path):
+    out = convert(tiny_llama_folder, tmp_path / "nha", full_layer_ids=[0, 3], full_layers=None, log=lambda *_: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_nha.NHALlamaConfig", "AutoModelForCausalLM": "modeling_nha.NHALlamaForCausalLM",
+    }
+    assert config["nha_windows"] == [None, 64, 64, None] and config["nha_num_slots"] == 64
+    for name in ("modeling_nha.py", "configuration_nha.py", "nha_cache.py", "nha_chunked.py", "nha_state.py"):
+        assert (out / name).is_file()
+    record = json.loads((out / "nha_conversion.json").read_text())
+    assert record["plan"]["windows"] == [None, 64, 64, None]
+
+
+def test_evenly_spaced_full_layers():
+    assert evenly_spaced(32, 4) == [3, 11, 19, 27]
+    assert evenly_spaced(30, 30) == list(range(30))
+    assert len(set(evenly_spaced(30, 7))) == 7
+
+
+def cli(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result.exit_code, result.output.strip()
+
+
+def test_cli_convert_works_and_prints_the_plan(tiny_llama_folder, tmp_path):
+    code, output = cli("convert", tiny_llama_folder, "--output", tmp_path / "out", "--full-layers", "2")
+    assert code == 0 and "full attention at [0, 2]" in output
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no-such-model"], "cannot resolve model 'no-such-model'"),
+        (["{tiny}", "--full-layers", "-1"], "--full-layers -1"),
+        (["{tiny}", "--full-layers", "5"], "--full-layers 5"),
+        (["{tiny}", "--full-layer-ids", "1,1"], "listed more than once"),
+        (["{tiny}", "--full-layer-ids", "0,4"], "--full-layer-ids 4: out of range"),
+        (["{tiny}", "--window", "-3"], "--window -3"),
+        (["{tiny}", "--slots", "0"], "--slots 0"),
+        (["{gpt2}"], "unsupported architecture gpt2"),
+        (["{nha}"], "already an NHA checkpoint"),
+        (["{tiny}", "--existing"], "already exists; pass --overwrite"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_llama_folder, tmp_path, args, message):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    nha = convert(tiny_llama_folder, tmp_path / "nha-model", full_layers=1, log=lambda *_: None)
+    output = tmp_path / "out"
+    if "--existing" in args:
+        args = [a for a in args if a != "--existing"]
+        output.mkdir()
+        (output / "keep.txt").write_text("mine")
+    args = [a.format(tiny=tiny_llama_folder, gpt2=gpt2, nha=nha) for a in args]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, text = cli("convert", *args, "--output", output)
+    assert code == 1
+    assert text.startswith("error: ") and message in text and len(text.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if output.exists():
+        assert [p.name for p in output.iterdir()] == ["keep.txt"]
+
+
+def test_failed_conversion_leaves_nothing_behind(tiny_llama_folder, tmp_path, monkeypatch):
+    import nha_retrofit.convert.converter as converter
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(converter, "save_nha_checkpoint", broken)
+    with pytest.raises(RuntimeError):
+        convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
+
+
+def test_overwrite_replaces_an_existing_checkpoint(tiny_llama_folder, tmp_path):
+    convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, log=lambda *_: None)
+    convert(tiny_llama_folder, tmp_path / "nha", full_layers=2, overwrite=True, log=lambda *_: None)
+    assert json.loads((tmp_path / "nha" / "config.json").read_text())["nha_windows"].count(None) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nha", "tiny-llama"]
