@@ -54,6 +54,10 @@ class NHAAttentionMixin:
         self.num_kv_heads = config.num_key_value_heads
         self.g_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.num_slots, bias=False)
         self.slot_bias = nn.Parameter(torch.full((config.num_attention_heads,), float(config.nha_slot_bias_init)))
+        # Attention transfer: when True, each forward also runs the original full attention (no grad) on the same
+        # projections and stores the MSE between the two layer outputs in `transfer_loss`.
+        self.attention_transfer = False
+        self.transfer_loss = None
 
     def project_qkv(self, hidden_states):
         """Pre-RoPE q [B, T, HQ, D], k and v [B, T, H, D], exactly as the original layer computes them."""
@@ -87,7 +91,21 @@ class NHAAttentionMixin:
         )
         if layer_cache is not None:
             layer_cache.store(state, length)
-        return self.o_proj(out.reshape(batch, length, -1)), None
+        output = self.o_proj(out.reshape(batch, length, -1))
+        if self.attention_transfer:
+            self.transfer_loss = self._transfer_loss(output, hidden_states, position_embeddings, attention_mask,
+                                                     padding_mask, kwargs)
+        return output, None
+
+    def _transfer_loss(self, output, hidden_states, position_embeddings, attention_mask, padding_mask, kwargs):
+        """MSE to what the original (full-attention) layer outputs for the same input, over real tokens."""
+        with torch.no_grad():
+            target, _ = super().forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
+        error = (output.float() - target.float()).pow(2).mean(-1)
+        if padding_mask is None:
+            return error.mean()
+        real = padding_mask[:, -output.shape[1] :].to(error.dtype)
+        return (error * real).sum() / real.sum().clamp(min=1)
 
 
 class NHAForCausalLMMixin:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -173,3 +174,17 @@ def test_overwrite_replaces_an_existing_checkpoint(tiny_llama_folder, tmp_path):
     convert(tiny_llama_folder, tmp_path / "nha", full_layers=2, overwrite=True, log=lambda *_: None)
     assert json.loads((tmp_path / "nha" / "config.json").read_text())["nha_windows"].count(None) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nha", "tiny-llama"]
+
+
+def test_convert_a_hub_id_from_the_local_hf_cache(tiny_llama_folder, tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--meta-llama--Meta-Llama-3-8B" / "snapshots" / ("ab" * 20)
+    snapshot.parent.mkdir(parents=True)
+    shutil.copytree(tiny_llama_folder, snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, output = cli("convert", "meta-llama/Meta-Llama-3-8B", "--output", tmp_path / "out", "--full-layers", "1")
+    assert code == 0, output
+    assert json.loads((tmp_path / "out" / "nha_conversion.json").read_text())["source"] == "meta-llama/Meta-Llama-3-8B"
+    code, output = cli("convert", "meta-llama/Meta-Llama-3-70B", "--output", tmp_path / "out2")
+    assert code == 1 and "not in the local Hugging Face cache" in output

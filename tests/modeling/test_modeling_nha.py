@@ -119,3 +119,27 @@ def test_gradients_reach_gates_and_slot_bias():
     attention = nha.model.layers[0].self_attn
     assert attention.g_proj.weight.grad.abs().sum() > 0 and attention.slot_bias.grad.abs().sum() > 0
     assert nha.model.layers[1].self_attn.g_proj.weight.grad is None  # a full layer does not use its gate
+
+
+def test_attention_transfer_loss_is_the_mse_to_the_full_attention_output():
+    original, nha = tiny_nha_pair([3, None, 3, 3])
+    ids = torch.randint(3, 128, (2, 40))
+    attention = nha.model.layers[0].self_attn
+    inputs = {}
+    attention.register_forward_pre_hook(lambda module, args, kwargs: inputs.update(kwargs), with_kwargs=True)
+    attention.attention_transfer = True
+    nha.train()
+    nha(ids, use_cache=False)
+    loss = attention.transfer_loss
+    assert loss.requires_grad and loss > 0
+    with torch.no_grad():
+        target, _ = original.model.layers[0].self_attn(**{k: v for k, v in inputs.items() if k != "nha_padding_mask"})
+        mine, _ = attention(**inputs)
+    assert torch.allclose(loss, (mine - target).pow(2).mean(), atol=1e-6)
+    loss.backward()
+    assert attention.g_proj.weight.grad.abs().sum() > 0
+    nha.set_windows([None] * 4)
+    with torch.no_grad():
+        nha(ids, use_cache=False)
+    # a full layer computes nothing to transfer
+    assert nha.model.layers[1].self_attn.transfer_loss is None
