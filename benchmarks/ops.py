@@ -1,0 +1,239 @@
+"""Operator benchmark on one GPU: the NHA Triton kernel against SDPA causal, fla windowed attention and fla GSA.
+
+Llama-3-8B attention shapes (HQ=32, H=8, D=128), batch 1, bf16, M=64; T = 2K..64K; forward and forward+backward
+medians through triton.testing.do_bench; plus the decode step for 28 layers (eager and CUDA-graph replay) and
+the bytes / FLOP floors. Writes benchmarks/results/ops_h200.json (records {impl, T, window, mode, ms}) and
+benchmarks/results/ops_h200.md.
+
+    python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nha_retrofit.kernels import nha_attention, nha_recurrent_step_triton  # noqa: E402
+from nha_retrofit.modeling.nha_state import NHAState  # noqa: E402
+
+HQ, H, D, M, B = 32, 8, 128, 64, 1
+BW = 4.3e12  # device-to-device copy, bytes read + written (KINDS.md, H200)
+MMA = 7.9e14  # bf16 matrix product on random data (KINDS.md, H200)
+
+
+def floors(T, w, mode):
+    """(bytes floor ms, FLOP floor ms) for the NHA operator."""
+    el = 2
+    bytes_fwd = el * (2 * T * HQ * D + 3 * T * H * D + T * H * M + T * HQ * D)  # q, q_rope, k, k_rope, v, gates, o
+    flops_fwd = 4 * T * HQ * min(w, T) * D + 4 * T * HQ * M * D + 4 * T * H * M * D
+    if mode == "fwd":
+        b, f = bytes_fwd, flops_fwd
+    else:  # backward reads inputs, o, dO and writes every gradient: about 2.5x; 2.5x the FLOPs
+        b, f = bytes_fwd * 3.5, flops_fwd * 3.5
+    return b / BW * 1e3, f / MMA * 1e3
+
+
+def nha_inputs(T, requires_grad):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    x = dict(q=r(B, T, HQ, D), k=r(B, T, H, D), v=r(B, T, H, D), q_rope=r(B, T, HQ, D), k_rope=r(B, T, H, D),
+             log_alpha=(F.logsigmoid(r(B, T, H, M).float() * 3) / 8).to(torch.bfloat16),
+             slot_bias=torch.full((HQ,), -4.0, device="cuda"))
+    for t in x.values():
+        t.requires_grad_(requires_grad)
+    return x
+
+
+def bench(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def run_nha(T, w, mode):
+    x = nha_inputs(T, mode != "fwd")
+    args = [x[n] for n in ("q", "k", "v", "q_rope", "k_rope", "log_alpha")]
+    do = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench(lambda: nha_attention(*args, w, D**-0.5, None, x["slot_bias"]))
+    leaves = args + [x["slot_bias"]]
+
+    def step():
+        o = nha_attention(*args, w, D**-0.5, None, x["slot_bias"])
+        torch.autograd.grad(o, leaves, do)
+
+    return bench(step)
+
+
+def run_sdpa(T, mode):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    f = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench(f)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    do = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16)
+    return bench(lambda: torch.autograd.grad(f(), (q, k, v), do))
+
+
+def run_fla_window(T, w, mode):
+    from fla.ops.attn.parallel import parallel_attn
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    f = lambda: parallel_attn(q, k, v, scale=D**-0.5, window_size=w)  # noqa: E731
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench(f)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    do = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    return bench(lambda: torch.autograd.grad(f(), (q, k, v), do))
+
+
+def run_fla_gsa(T, mode):
+    from fla.ops.gsa import chunk_gsa
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    f_ = torch.randn(B, T, H, M, device="cuda", dtype=torch.bfloat16, generator=g)
+    s = (1 - F.logsigmoid(f_.float()).exp()).to(torch.bfloat16)
+    gg = (F.logsigmoid(f_.float()) / 8).to(torch.bfloat16)
+    f = lambda: chunk_gsa(q, k, v, s, gg, scale=D**-0.5)[0]  # noqa: E731
+    if mode == "fwd":
+        with torch.no_grad():
+            return bench(f)
+    for t in (q, k, v, s, gg):
+        t.requires_grad_(True)
+    do = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    return bench(lambda: torch.autograd.grad(f(), (q, k, v, s, gg), do))
+
+
+def run_decode(layers=28, window=64):
+    """Per-token time of the decode step for `layers` NHA layers (full window, filled slots), batch 1."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    states, tokens = [], []
+    for _ in range(layers):
+        st = NHAState(
+            slot_keys=torch.randn(B, H, M, D, device="cuda", generator=g),
+            slot_values=torch.randn(B, H, M, D, device="cuda", generator=g),
+            slots_filled=torch.ones(B, dtype=torch.bool, device="cuda"),
+            window_keys=r(B, window, H, D), window_keys_rope=r(B, window, H, D), window_values=r(B, window, H, D),
+            window_log_alpha=F.logsigmoid(torch.randn(B, window, H, M, device="cuda", generator=g)) / 8,
+            window_mask=torch.ones(B, window, dtype=torch.bool, device="cuda"),
+        )
+        states.append(st)
+        tokens.append(dict(q=r(B, 1, HQ, D), k=r(B, 1, H, D), v=r(B, 1, H, D), q_rope=r(B, 1, HQ, D),
+                           k_rope=r(B, 1, H, D), log_alpha=(F.logsigmoid(r(B, 1, H, M).float()) / 8)))
+    bias = torch.full((HQ,), -4.0, device="cuda")
+    mask = torch.ones(B, window + 1, dtype=torch.long, device="cuda")
+
+    def step():
+        outs = []
+        for st, tok in zip(states, tokens):
+            o, _ = nha_recurrent_step_triton(**tok, window=window, scale=D**-0.5, state=st, attention_mask=mask,
+                                             slot_bias=bias)
+            outs.append(o)
+        return outs
+
+    step()
+    torch.cuda.synchronize()
+    eager = bench(step)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        step()
+    graphed = bench(graph.replay)
+    return eager, graphed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536")
+    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--skip", default="", help="comma list of impls to skip")
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    skip = set(args.skip.split(",")) if args.skip else set()
+    records = []
+
+    def record(impl, T, window, mode, fn):
+        if impl in skip:
+            return
+        try:
+            ms = fn()
+        except Exception as exc:  # noqa: BLE001 - a missing baseline must not stop the run
+            print(f"{impl} T={T} w={window} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            ms = None
+        records.append(dict(impl=impl, T=T, window=window, mode=mode, ms=ms))
+        print(f"{impl:12s} T={T:6d} w={str(window):5s} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
+        torch.cuda.empty_cache()
+
+    t_start = time.time()
+    for T in lengths:
+        for mode in ("fwd", "fwd+bwd"):
+            for w in (64, 512):
+                record("nha", T, w, mode, lambda: run_nha(T, w, mode))
+            record("sdpa", T, None, mode, lambda: run_sdpa(T, mode))
+            for w in (64, 512):
+                record("fla_window", T, w, mode, lambda: run_fla_window(T, w, mode))
+            record("fla_gsa", T, 64, mode, lambda: run_fla_gsa(T, mode))
+            for w in (64, 512):
+                fb, ff = floors(T, w, mode)
+                records.append(dict(impl="floor_bytes", T=T, window=w, mode=mode, ms=fb))
+                records.append(dict(impl="floor_flops", T=T, window=w, mode=mode, ms=ff))
+    if "decode" not in skip:
+        eager, graphed = run_decode()
+        records.append(dict(impl="nha_decode_28L_eager", T=None, window=64, mode="decode", ms=eager))
+        records.append(dict(impl="nha_decode_28L_graph", T=None, window=64, mode="decode", ms=graphed))
+        print(f"decode 28 layers: eager {eager:.3f} ms, graph replay {graphed:.3f} ms")
+    print(f"bench wall {time.time() - t_start:.0f} s")
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "ops_h200.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    md = table(records, lengths, torch.cuda.get_device_name())
+    with open(os.path.join(args.out_dir, "ops_h200.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def table(records, lengths, device):
+    get = {(r["impl"], r["T"], r["window"], r["mode"]): r["ms"] for r in records}
+    cols = [("nha", 64), ("nha", 512), ("sdpa", None), ("fla_window", 64), ("fla_window", 512), ("fla_gsa", 64),
+            ("floor_bytes", 64), ("floor_flops", 64)]
+    fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+    lines = [f"# NHA operator benchmark ({device}, bf16, HQ=32 H=8 D=128 M=64, batch 1, median ms)", "",
+             "fwd+bwd (fwd in brackets)", "",
+             "| T | " + " | ".join(f"{i} w={w}" if w else i for i, w in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    for T in lengths:
+        cells = [f"{fmt(get.get((i, T, w, 'fwd+bwd')))} ({fmt(get.get((i, T, w, 'fwd')))})" for i, w in cols]
+        lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    dec = [r for r in records if r["mode"] == "decode"]
+    if dec:
+        lines += ["", "Decode step, 28 layers (Llama-3-8B attention shape), batch 1, w=64, M=64:", ""]
+        lines += [f"- {r['impl']}: {r['ms']:.3f} ms" for r in dec]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

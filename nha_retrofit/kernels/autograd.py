@@ -1,0 +1,127 @@
+"""`nha_attention` (training) and `nha_chunked_triton` (prefill with a carried state) on the Triton kernels."""
+
+import torch
+
+from ..modeling.nha_state import NHAState
+from . import chunk_fwd
+from .slot_bwd import slot_backward
+from .window_bwd import window_backward
+
+
+def _has_slots(prep, filled0_any=False):
+    return prep.W < prep.T or filled0_any
+
+
+class _NHAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask):
+        prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias)
+        has_slots = _has_slots(prep)
+        o, lse, _ = chunk_fwd.forward(prep, scale, has_slots)
+        ctx.prep, ctx.scale, ctx.has_slots = prep, scale, has_slots
+        ctx.bias_none = slot_bias is None
+        ctx.save_for_backward(o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        o, lse = ctx.saved_tensors
+        p, scale = ctx.prep, ctx.scale
+        do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, T, HQ]
+        f32 = torch.float32
+        dq = torch.zeros(p.B, p.T, p.HQ, p.D, dtype=f32, device=do.device)
+        dk = torch.zeros(p.B, p.T, p.H, p.D, dtype=f32, device=do.device)
+        dv = torch.zeros(p.B, p.T, p.H, p.DV, dtype=f32, device=do.device)
+        dla = torch.zeros(p.B, p.T, p.H, p.M, dtype=f32, device=do.device)
+        dbias = torch.zeros(p.HQ, dtype=f32, device=do.device)
+        dqr = torch.zeros_like(dq)
+        dkr = torch.zeros_like(dk)
+        if p.W > 0:
+            dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
+            dv = dv + dv_w
+        if ctx.has_slots:
+            dq_s, dk_s, dv_s, dla, dbias = slot_backward(p, do, lse, delta, scale)
+            dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+        cast = lambda g, like: g.to(like.dtype)  # noqa: E731
+        return (
+            cast(dq, p.q), cast(dk, p.k), cast(dv, p.v), cast(dqr, p.q_rope), cast(dkr, p.k_rope),
+            cast(dla, p.log_alpha), None if ctx.bias_none else dbias, None, None, None,
+        )
+
+
+def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None):
+    """Same contract as `nha_reference`; differentiable in q, k, v, q_rope, k_rope, log_alpha, slot_bias."""
+    return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask)
+
+
+@torch.no_grad()
+def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias,
+                        initial_state, output_final_state):
+    batch, new_len, q_heads, head_dim = q.shape
+    kv_heads, slots = k.shape[2], log_alpha.shape[-1]
+    if initial_state is None:
+        initial_state = NHAState.empty(batch, kv_heads, slots, head_dim, v.shape[-1], k.dtype, k.device)
+    prefix = initial_state.window_length
+    mask = (torch.ones(batch, new_len, dtype=torch.bool, device=q.device) if attention_mask is None
+            else attention_mask[:, -new_len:].bool())
+    cat = lambda old, new: torch.cat([old.to(new.dtype), new], 1)  # noqa: E731
+    sk_, skr, sv_ = cat(initial_state.window_keys, k), cat(initial_state.window_keys_rope, k_rope), cat(
+        initial_state.window_values, v)
+    sla = torch.cat([initial_state.window_log_alpha.to(torch.float32), log_alpha.to(torch.float32)], 1)
+    smask = torch.cat([initial_state.window_mask.bool(), mask], 1)
+    zq = lambda x: torch.cat([x.new_zeros(batch, prefix, *x.shape[2:]), x], 1)  # noqa: E731
+    total = prefix + new_len
+    win = total if window is None else window
+    prep = chunk_fwd.Prepared(zq(q), sk_, sv_, zq(q_rope), skr, sla, win, smask, slot_bias)
+    filled0 = initial_state.slots_filled
+    has_slots = _has_slots(prep, bool(filled0.any()))
+    carried = bool(filled0.any())
+    o, _, states = chunk_fwd.forward(
+        prep, scale, has_slots,
+        initial_keys=initial_state.slot_keys if carried else None,
+        initial_values=initial_state.slot_values if carried else None,
+        filled0=filled0.to(torch.int32),
+    )
+    o = o[:, prefix:]
+    if not output_final_state:
+        return o, None
+    if states is not None:
+        final_keys, final_values = states[0][:, :, -1], states[1][:, :, -1]
+    else:
+        final_keys, final_values = initial_state.slot_keys.float(), initial_state.slot_values.float()
+    keep = total - min(win, total)
+    absorbed_real = smask[:, :keep].any(1) if keep > 0 else torch.zeros_like(filled0)
+    state_dtype = initial_state.slot_keys.dtype
+    final = NHAState(
+        slot_keys=final_keys.to(state_dtype).contiguous(),
+        slot_values=final_values.to(state_dtype).contiguous(),
+        slots_filled=filled0 | absorbed_real,
+        window_keys=sk_[:, keep:].contiguous(),
+        window_keys_rope=skr[:, keep:].contiguous(),
+        window_values=sv_[:, keep:].contiguous(),
+        window_log_alpha=sla[:, keep:].to(initial_state.window_log_alpha.dtype).contiguous(),
+        window_mask=smask[:, keep:].contiguous(),
+    )
+    return o, final
+
+
+def nha_chunked_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None,
+                       initial_state=None, output_final_state=False):
+    """Same contract as `nha_chunked` (returns (o, NHAState | None)).
+
+    Without a carried state this is `nha_attention` (differentiable); with one (prefill after a cached prefix)
+    it is inference only: the state's window tokens are prepended as keys without queries.
+    """
+    if initial_state is None and not output_final_state:
+        return nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias), None
+    if initial_state is None and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, q_rope, k_rope, log_alpha, slot_bias)
+    ):
+        o = nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias)
+        _, state = _forward_with_state(q.detach(), k.detach(), v.detach(), q_rope.detach(), k_rope.detach(),
+                                       log_alpha.detach(), window, scale, attention_mask,
+                                       None if slot_bias is None else slot_bias.detach(), None, True)
+        return o, state
+    return _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias,
+                               initial_state, output_final_state)

@@ -1,0 +1,147 @@
+"""Triton backward of the sliding-window half of NHA, flash style, fed the JOINT log-sum-exp L (slots and
+window under one softmax) and delta = rowsum(dO * O): p = exp(s - L), ds = p * (dO . v - delta).
+
+Two kernels: `_dq_kernel` per query block (rows = CQ tokens x G query heads of one kv head) and
+`_dkv_kernel` per key block, looping over the query blocks that see it (keys j are seen by t in j .. j+W-1).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import chunk_fwd
+from .chunk_fwd import CQ
+
+# bf16/fp16 inputs: keep p and ds in fp32 (tf32 products) instead of rounding them to the input dtype
+HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
+
+
+@triton.jit
+def _dq_kernel(
+    QR, KR, V, DO, LSE, DELTA, MASK, DQR,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t,
+    T, W, scale,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    t0 = pid_q * CQB
+    r = tl.arange(0, BR)
+    t = t0 + r // GQ
+    hq = h * GQ + r % GQ
+    tv = (r < CQB * GQ) & (t < T)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
+    qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
+    orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
+    do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
+    lrow = (b * T + t).to(tl.int64) * HQ + hq
+    lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
+    delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+    dq = tl.zeros([BR, D], dtype=tl.float32)
+    lo = tl.maximum(t0 - W + 1, 0)
+    hi = tl.minimum(t0 + CQB, T)
+    offs_n = tl.arange(0, BN)
+    for n0 in range(lo, hi, BN):
+        j = n0 + offs_n
+        jin = j < hi
+        kr = tl.load(KR + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
+                     mask=jin[:, None], other=0.0)
+        vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
+                     mask=jin[:, None], other=0.0)
+        kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
+        s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :]
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        if HIGH:
+            dq += tl.dot(ds, kr.to(tl.float32), input_precision="tf32")
+        else:
+            dq += tl.dot(ds.to(kr.dtype), kr, input_precision=PREC)
+    tl.store(DQR + row[:, None] + offs_d[None, :], (dq * scale).to(DQR.dtype.element_ty), mask=tv[:, None])
+
+
+@triton.jit
+def _dkv_kernel(
+    QR, KR, V, DO, LSE, DELTA, MASK, DKR, DV_,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t,
+    T, W, scale,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    j0 = pid_k * BN
+    j = j0 + tl.arange(0, BN)
+    jin = j < T
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
+    kr = tl.load(KR + krow[:, None] + offs_d[None, :], mask=jin[:, None], other=0.0)
+    vv = tl.load(V + vrow[:, None] + offs_dv[None, :], mask=jin[:, None], other=0.0)
+    kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
+    dk = tl.zeros([BN, D], dtype=tl.float32)
+    dv = tl.zeros([BN, DV], dtype=tl.float32)
+    r = tl.arange(0, BR)
+    rt = r // GQ
+    hq = h * GQ + r % GQ
+    rok = r < CQB * GQ
+    lo = (j0 // CQB) * CQB
+    hi = tl.minimum(j0 + BN - 1 + W, T)
+    for t0 in range(lo, hi, CQB):
+        t = t0 + rt
+        tv = rok & (t < T)
+        row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
+        qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
+        orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
+        do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
+        lrow = (b * T + t).to(tl.int64) * HQ + hq
+        lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
+        delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+        s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :] & tv[:, None]
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        if HIGH:
+            dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="tf32")
+        else:
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        if HIGH:
+            dk += tl.dot(tl.trans(ds), qr.to(tl.float32), input_precision="tf32")
+        else:
+            dk += tl.dot(tl.trans(ds).to(qr.dtype), qr, input_precision=PREC)
+    tl.store(DKR + krow[:, None] + offs_d[None, :], (dk * scale).to(DKR.dtype.element_ty), mask=jin[:, None])
+    tl.store(DV_ + vrow[:, None] + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=jin[:, None])
+
+
+def window_backward(p, do, lse, delta, scale):
+    """Gradients of the window half: (dq_rope, dk_rope, dv) in fp32."""
+    B, T, HQ, D, H, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.DV, p.G
+    do = do.contiguous()
+    dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=torch.float32, device=do.device)
+    dkr = chunk_fwd.alloc(B, T, H, D, dtype=torch.float32, device=do.device)
+    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
+    BR = max(16, triton.next_power_of_2(CQ * G))
+    BN = 64 if BR <= 64 else 32
+    args = (
+        p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
+        p.v.stride(0), p.v.stride(1), p.v.stride(2), do.stride(0), do.stride(1), T, p.W, float(scale),
+    )
+    meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, CQB=CQ, BR=BR, BN=BN, PREC=p.prec, HIGH=HIGH and p.prec != "ieee",
+                num_warps=4 if BR <= 64 else 8, num_stages=2)
+    _dq_kernel[(triton.cdiv(T, CQ), B * H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, **meta)
+    _dkv_kernel[(triton.cdiv(T, BN), B * H)](
+        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta
+    )
+    return dqr, dkr, dv
