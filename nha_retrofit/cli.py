@@ -38,27 +38,73 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
         raise typer.BadParameter(f"{text!r}: expected comma-separated layer numbers such as 3,11,19,27") from None
 
 
+ModelArgument = Annotated[str, typer.Argument(help="Local folder, Hub id in the local HF cache, or 'smollm2-135m'.")]
+FullLayersOption = Annotated[int, typer.Option(help="Layers that keep full attention.")]
+FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exact full layers, e.g. 3,11,19,27.")]
+SelectOption = Annotated[str, typer.Option(help="Where --full-layers go: even, first or last.")]
+WindowsOption = Annotated[str | None, typer.Option(help="One window per layer, e.g. 64,64,full,... (overrides).")]
+WindowOption = Annotated[int, typer.Option(help="Sliding window of the NHA layers.")]
+SlotsOption = Annotated[int, typer.Option(help="Slots of the NHA memory per KV head.")]
+GateNormalizerOption = Annotated[float, typer.Option(help="tau in log(alpha) = logsigmoid(g) / tau.")]
+SlotBiasOption = Annotated[float, typer.Option(help="Initial per-head slot-logit offset (0 = the paper).")]
+
+
+def plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init):
+    from .plan import parse_windows
+
+    ids = parse_layer_ids(full_layer_ids)
+    return dict(
+        full_layers=len(ids) if ids is not None else full_layers, full_layer_ids=ids, select=select,
+        windows=parse_windows(windows) if windows is not None else None, window=window, slots=slots,
+        gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init,
+    )
+
+
 @app.command()
 @user_errors
 def convert(
-    model: Annotated[str, typer.Argument(help="Local folder, Hub id in the local HF cache, or 'smollm2-135m'.")],
+    model: ModelArgument,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the NHA checkpoint to.")],
-    full_layers: Annotated[int, typer.Option(help="Layers that keep full attention, evenly spaced.")] = 4,
-    full_layer_ids: Annotated[str | None, typer.Option(help="Exact full layers, e.g. 3,11,19,27.")] = None,
-    window: Annotated[int, typer.Option(help="Sliding window of the NHA layers.")] = 64,
-    slots: Annotated[int, typer.Option(help="Slots of the NHA memory per KV head.")] = 64,
-    gate_normalizer: Annotated[float, typer.Option(help="tau in log(alpha) = logsigmoid(g) / tau.")] = 8.0,
-    slot_bias_init: Annotated[float, typer.Option(help="Initial per-head slot-logit offset (0 = paper).")] = -4.0,
+    full_layers: FullLayersOption = 4,
+    full_layer_ids: FullLayerIdsOption = None,
+    select: SelectOption = "even",
+    windows: WindowsOption = None,
+    window: WindowOption = 64,
+    slots: SlotsOption = 64,
+    gate_normalizer: GateNormalizerOption = 8.0,
+    slot_bias_init: SlotBiasOption = -4.0,
+    gate_init: Annotated[str, typer.Option(help="from_k (copy k_proj, the paper) or random.")] = "from_k",
+    allow_pickle: Annotated[bool, typer.Option(help="Accept .bin/.pt weights (loaded with weights_only).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ):
-    """Convert a pretrained Llama-family model into an NHA hybrid checkpoint."""
+    """Convert a pretrained Llama, Qwen2.5 or Qwen3-MoE model into an NHA hybrid checkpoint (shard by shard)."""
     from .convert.converter import convert as run_convert
 
-    ids = parse_layer_ids(full_layer_ids)
     run_convert(
-        model, output, full_layers=len(ids) if ids is not None else full_layers, full_layer_ids=ids, window=window,
-        slots=slots, gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init, overwrite=overwrite,
+        model, output, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
+        **plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init),
     )
+
+
+@app.command()
+@user_errors
+def plan(
+    model: ModelArgument,
+    full_layers: FullLayersOption = 4,
+    full_layer_ids: FullLayerIdsOption = None,
+    select: SelectOption = "even",
+    windows: WindowsOption = None,
+    window: WindowOption = 64,
+    slots: SlotsOption = 64,
+    gate_normalizer: GateNormalizerOption = 8.0,
+    slot_bias_init: SlotBiasOption = -4.0,
+):
+    """Print the layer plan (per layer: window, slots, new parameters, cache bytes) without converting."""
+    from .plan import describe_for_model
+
+    typer.echo(describe_for_model(model, **plan_arguments(
+        full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init
+    )))
 
 
 @app.command("eval")
@@ -84,6 +130,25 @@ def evaluate(
         typer.echo(f"| {name} | " + " | ".join(f"{row[v]:.2f}" for v in variants) + " |")
     if prompt:
         typer.echo(f"\n{prompt}{generate_text(checkpoint, prompt)}")
+
+
+@app.command()
+@user_errors
+def finetune(
+    recipe: Annotated[Path, typer.Argument(help="A recipe YAML file (see recipes/).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: --set train.lr=1e-4")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the run's last checkpoint.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Validate, resolve model and data, print the plan; train nothing.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Start again in an output folder that holds a run.")] = False,
+):
+    """Finetune an NHA hybrid: attention transfer, then LM (+ distillation); export a merged checkpoint."""
+    import json
+
+    from .finetune import finetune as run_finetune
+
+    result = run_finetune(recipe, set_ or [], resume=resume, dry_run=dry_run, overwrite=overwrite)
+    if dry_run:
+        typer.echo(json.dumps(result, indent=2, default=str))
 
 
 def main():

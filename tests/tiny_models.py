@@ -38,3 +38,37 @@ def left_padded_ids(lengths, total, vocab=128, seed=0):
         ids[b, total - n :] = torch.randint(3, vocab, (n,), generator=gen)
         mask[b, total - n :] = 1
     return ids, mask
+
+
+# Small random models keeping each real config's structure (GQA ratio, biases, norms, rope, MoE routing).
+FAMILY_CONFIGS = {
+    "llama3": dict(  # Meta-Llama-3-8B: GQA 4:1, llama3 rope scaling, vocab of the real tokenizer
+        model_type="llama", vocab_size=128256, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "qwen2.5": dict(  # Qwen2.5-7B: GQA 7:1, q/k/v biases, its own (disabled) sliding-window fields
+        model_type="qwen2", vocab_size=151936, hidden_size=56, intermediate_size=96, num_hidden_layers=6,
+        num_attention_heads=7, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+        sliding_window=128, max_window_layers=4, eos_token_id=151643,
+    ),
+    "qwen3_moe": dict(  # Qwen3-30B-A3B: GQA 8:1 scaled down, head_dim set apart, q/k norms, routed experts
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[0], norm_topk_prob=True,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, eos_token_id=151643,
+    ),
+}
+
+
+def tiny_family_model(family: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(FAMILY_CONFIGS[family])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()

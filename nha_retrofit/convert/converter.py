@@ -1,93 +1,113 @@
-"""Turn a pretrained checkpoint into a self-contained NHA checkpoint (safetensors + remote code + tokenizer)."""
+"""Turn a pretrained checkpoint into a self-contained NHA checkpoint (safetensors + remote code + tokenizer).
+
+`convert` works on the files: it validates the plan and the checkpoint before writing anything, copies the
+original shards, adds one shard holding each NHA layer's gate projection and slot-logit offset, writes the NHA
+config (with `auto_map`) and the package's modeling files beside it, all into a temporary folder renamed when
+complete. `build_nha_model` is the in-memory equivalent (finetuning from a base model converts on the fly).
+"""
 
 import json
-import logging
+import shutil
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig
 
 from ..atomic import atomic_folder, check_output_folder
 from ..errors import NHARetrofitError
-from ..modeling.configuration_nha import NHALlamaConfig
-from ..modeling.modeling_nha import NHAAttentionMixin, NHALlamaForCausalLM
+from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..plan import LayerPlan, build_plan
 from .resolve import resolve_model
+from .shards import TensorReader, find_checkpoint, write_sharded
 
-# model_type of the original -> (NHA config class, NHA model class)
-FAMILIES = {"llama": (NHALlamaConfig, NHALlamaForCausalLM)}
 CONVERSION_RECORD = "nha_conversion.json"
+MODELING_FOLDER = Path(__file__).resolve().parent.parent / "modeling"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "qwen.tiktoken",
+    "tokenizer.tiktoken", "generation_config.json",
+)
+REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+GATE_INITS = ("from_k", "random")
 
 
-def read_source_config(source: Path):
-    """The original's config, after checking that its family is one we convert."""
+def read_source_config_dict(source: Path) -> dict:
+    """The original's config.json, after checking that its family is one we convert and it has what we need."""
     try:
-        model_type = json.loads((Path(source) / "config.json").read_text()).get("model_type", "")
+        config = json.loads((Path(source) / "config.json").read_text())
     except (OSError, ValueError) as error:
         raise NHARetrofitError(f"cannot read {Path(source) / 'config.json'}: {error}") from None
+    model_type = config.get("model_type", "")
     if model_type.startswith("nha_"):
         raise NHARetrofitError(f"{source} is already an NHA checkpoint ({model_type}); change its windows instead")
-    if model_type not in FAMILIES:
-        raise NHARetrofitError(
-            f"unsupported architecture {model_type or 'unknown'} in {source}; supported families: "
-            + ", ".join(sorted(FAMILIES))
-        )
+    if model_type not in NHA_MODEL_CLASSES:
+        supported = ", ".join(f"{t} ({NHA_MODEL_CLASSES[t].__mro__[2].__name__})" for t in sorted(NHA_MODEL_CLASSES))
+        raise NHARetrofitError(f"unsupported architecture {model_type or 'unknown'} in {source}; supported: {supported}")
+    missing = [field for field in REQUIRED_FIELDS if not isinstance(config.get(field), int)]
+    if missing:
+        raise NHARetrofitError(f"{Path(source) / 'config.json'} lacks the required field {missing[0]}")
+    return config
+
+
+def nha_config_for(source_config: dict, plan: LayerPlan):
+    """The NHA config: the original's fields plus the plan; the original's own window settings are switched off."""
+    model_class = NHA_MODEL_CLASSES[source_config["model_type"]]
+    fields = {k: v for k, v in source_config.items() if k not in ("model_type", "architectures", "auto_map")}
+    fields.pop("layer_types", None)
+    if "use_sliding_window" in fields:
+        fields["use_sliding_window"] = False
     try:
-        return AutoConfig.from_pretrained(source)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise NHARetrofitError(f"invalid {Path(source) / 'config.json'}: {str(error).splitlines()[0]}") from None
+        config = model_class.config_class.from_dict({**fields, **plan.config_fields()})
+    except (ValueError, TypeError) as error:
+        raise NHARetrofitError(f"invalid config for {source_config['model_type']}: {str(error).splitlines()[0]}") from None
+    config.architectures = [model_class.__name__]
+    return model_class, config
 
 
-def init_gate_from_keys(attention: NHAAttentionMixin) -> None:
+def gate_from_keys(key_weight: torch.Tensor, num_kv_heads: int, slots: int) -> torch.Tensor:
     """g_proj starts as k_proj: slot i of KV head h takes the weights of key channel (i mod D) of that head.
 
-    With M == D (the default 64 slots for 64- or 128-dim heads take the first M channels) this is a copy per
-    head; with M > D channels repeat cyclically. The paper initialises the gate from k_proj the same way.
+    With M == D it is a copy per head; M < D takes the first M channels; M > D repeats them cyclically.
     """
-    head_dim, slots = attention.head_dim, attention.num_slots
-    keys = attention.k_proj.weight.detach().view(attention.num_kv_heads, head_dim, -1)
-    channel = torch.arange(slots, device=keys.device) % head_dim
-    with torch.no_grad():
-        attention.g_proj.weight.copy_(keys[:, channel].reshape(attention.num_kv_heads * slots, -1))
+    per_head = key_weight.view(num_kv_heads, -1, key_weight.shape[-1])
+    channel = torch.arange(slots) % per_head.shape[1]
+    return per_head[:, channel].reshape(num_kv_heads * slots, -1).clone()
 
 
-def build_nha_model(source: Path, plan: LayerPlan, source_config=None):
-    """Load the original weights straight into the NHA model class and initialise the new parameters."""
-    source_config = source_config or read_source_config(source)
-    config_class, model_class = FAMILIES[source_config.model_type]
-    config_dict = {**source_config.to_dict(), **plan.config_fields()}
-    for key in ("model_type", "architectures", "auto_map", "transformers_version"):
-        config_dict.pop(key, None)
-    config = config_class(**config_dict)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the gate weights are "missing" from the original: expected
-    try:
-        model = model_class.from_pretrained(source, config=config, dtype=source_config.dtype or torch.float32)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    for attention in model.nha_attention_layers():
-        init_gate_from_keys(attention)
-        with torch.no_grad():
-            attention.slot_bias.fill_(plan.slot_bias_init)
-    return model.eval()
+def new_layer_tensors(config, plan: LayerPlan, key_weight, layer: int, gate_init: str) -> dict:
+    """The tensors an NHA layer adds: `g_proj.weight` and `slot_bias`, in the checkpoint's dtype."""
+    prefix = f"model.layers.{layer}.self_attn."
+    kv_heads = config.num_key_value_heads
+    if gate_init == "from_k":
+        gate = gate_from_keys(key_weight, kv_heads, plan.num_slots)
+    else:
+        generator = torch.Generator().manual_seed(layer)
+        gate = torch.randn(kv_heads * plan.num_slots, key_weight.shape[-1], generator=generator)
+        gate = (gate * config.initializer_range).to(key_weight.dtype)
+    bias = torch.full((config.num_attention_heads,), plan.slot_bias_init, dtype=key_weight.dtype)
+    return {prefix + "g_proj.weight": gate, prefix + "slot_bias": bias}
 
 
-def save_nha_checkpoint(model, folder: Path, tokenizer_source: Path | None = None, record: dict | None = None):
-    """save_pretrained with remote code (auto_map + modeling files copied verbatim), tokenizer and a record."""
-    type(model.config).register_for_auto_class()
-    type(model).register_for_auto_class("AutoModelForCausalLM")
-    model.save_pretrained(folder)
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if tokenizer_source is not None and any((Path(tokenizer_source) / f).is_file() for f in tokenizer_files):
-        try:
-            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(folder)
-        except (OSError, ValueError) as error:
-            logging.getLogger(__name__).warning("no tokenizer copied from %s: %s", tokenizer_source, error)
-    if tokenizer_source is not None and (Path(tokenizer_source) / "generation_config.json").is_file():
-        GenerationConfig.from_pretrained(tokenizer_source).save_pretrained(folder)
-    if record is not None:
-        (folder / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+def write_remote_code(folder: Path, model_class) -> None:
+    """Copy the package's modeling files verbatim and point auto_map at them."""
+    for path in MODELING_FOLDER.glob("*.py"):
+        if path.name != "__init__.py":
+            shutil.copyfile(path, folder / path.name)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {
+        "AutoConfig": f"configuration_nha.{model_class.config_class.__name__}",
+        "AutoModelForCausalLM": f"modeling_nha.{model_class.__name__}",
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, folder / name)
+    return copied
 
 
 def convert(
@@ -96,28 +116,84 @@ def convert(
     *,
     full_layers: int | None = 4,
     full_layer_ids: list[int] | None = None,
+    select: str = "even",
+    windows: list | None = None,
     window: int = 64,
     slots: int = 64,
     gate_normalizer: float = 8.0,
     slot_bias_init: float = -4.0,
+    gate_init: str = "from_k",
+    allow_pickle: bool = False,
     overwrite: bool = False,
     log=print,
 ) -> Path:
     """Convert `model` (local folder, cached Hub id, or an embedded name such as "smollm2-135m") into an NHA
-    checkpoint at `output`. Validates everything before reading weights; writes atomically."""
+    checkpoint at `output`. Everything is validated before a byte is written; the output appears atomically."""
     output = Path(output)
     check_output_folder(output, overwrite)
-    build_plan(1, full_layers=0, window=window, num_slots=slots, gate_normalizer=gate_normalizer)  # early checks
-    source = resolve_model(model)
-    source_config = read_source_config(source)
-    plan = build_plan(
-        source_config.num_hidden_layers, full_layers=full_layers, full_layer_ids=full_layer_ids, window=window,
-        num_slots=slots, gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init,
+    if gate_init not in GATE_INITS:
+        raise NHARetrofitError(f"--gate-init {gate_init}: choose one of {', '.join(GATE_INITS)}")
+    plan_args = dict(
+        full_layers=full_layers, full_layer_ids=full_layer_ids, select=select, windows=windows, window=window,
+        slots=slots, gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init,
     )
+    if windows is None:
+        build_plan(max(full_layers or 0, 1), **{**plan_args, "full_layer_ids": None, "full_layers": 0})  # early
+    source = resolve_model(model)
+    source_config = read_source_config_dict(source)
+    plan = build_plan(source_config["num_hidden_layers"], **plan_args)
+    model_class, config = nha_config_for(source_config, plan)
+    checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)
     log(f"plan: {plan.describe()}")
-    nha_model = build_nha_model(source, plan, source_config)
-    record = {"source": str(model), "source_path": str(source), "plan": plan.as_dict()}
     with atomic_folder(output, overwrite) as tmp:
-        save_nha_checkpoint(nha_model, tmp, tokenizer_source=source, record=record)
+        reader = TensorReader(checkpoint)
+        new_tensors = {}
+        for layer in range(len(plan.windows)):
+            key_weight = reader.get(f"model.layers.{layer}.self_attn.k_proj.weight")
+            new_tensors.update(new_layer_tensors(config, plan, key_weight, layer, gate_init))
+        write_sharded(checkpoint, new_tensors, tmp)
+        config.dtype = _checkpoint_dtype(source_config, new_tensors)
+        config.save_pretrained(tmp)
+        write_remote_code(tmp, model_class)
+        copy_tokenizer_files(source, tmp)
+        record = {"source": str(model), "source_path": str(source), "plan": plan.as_dict(), "gate_init": gate_init}
+        (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     log(f"wrote {output}")
     return output
+
+
+def _checkpoint_dtype(source_config: dict, new_tensors: dict) -> str:
+    dtype = source_config.get("dtype") or source_config.get("torch_dtype")
+    return dtype or str(next(iter(new_tensors.values())).dtype).removeprefix("torch.")
+
+
+def build_nha_model(source: Path, plan: LayerPlan, gate_init: str = "from_k"):
+    """In memory: load the original weights straight into the NHA class and initialise the new parameters exactly
+    as `convert` writes them."""
+    model_class, config = nha_config_for(read_source_config_dict(source), plan)
+    original = AutoConfig.from_pretrained(source)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the gate weights are "missing" from the original: expected
+    try:
+        model = model_class.from_pretrained(source, config=config, dtype=original.dtype or torch.float32)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        for layer, attention in enumerate(model.nha_attention_layers()):
+            prefix = f"model.layers.{layer}.self_attn."
+            tensors = new_layer_tensors(config, plan, attention.k_proj.weight.detach().cpu(), layer, gate_init)
+            attention.g_proj.weight.copy_(tensors[prefix + "g_proj.weight"])
+            attention.slot_bias.copy_(tensors[prefix + "slot_bias"])
+    return model.eval()
+
+
+def save_nha_checkpoint(model, folder: Path, tokenizer_source: Path | None = None, record: dict | None = None):
+    """save_pretrained with remote code (auto_map + modeling files copied verbatim), tokenizer and a record."""
+    model.save_pretrained(folder)
+    write_remote_code(folder, type(model))
+    if tokenizer_source is not None:
+        copy_tokenizer_files(Path(tokenizer_source), folder)
+        if not (folder / "generation_config.json").is_file() and model.generation_config is not None:
+            model.generation_config.save_pretrained(folder)
+    if record is not None:
+        (folder / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..convert.converter import CONVERSION_RECORD, FAMILIES
+from ..convert.converter import CONVERSION_RECORD
+from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..errors import NHARetrofitError
 from .perplexity import perplexity
 from .texts import HELDOUT_TEXTS, load_heldout_tokens
@@ -18,7 +19,7 @@ def load_nha_checkpoint(folder: Path, dtype=torch.float32):
     if not config_path.is_file():
         raise NHARetrofitError(f"{folder} is not a checkpoint folder (no config.json)")
     model_type = json.loads(config_path.read_text()).get("model_type", "")
-    families = {config_class.model_type: model_class for config_class, model_class in FAMILIES.values()}
+    families = {model_class.config_class.model_type: model_class for model_class in NHA_MODEL_CLASSES.values()}
     if model_type not in families:
         raise NHARetrofitError(f"{folder} is not an NHA checkpoint (model_type {model_type!r})")
     return families[model_type].from_pretrained(folder, dtype=dtype).eval()

@@ -7,9 +7,8 @@ load (and their tokenizers resolve) through nha_retrofit's own code, without `tr
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .configuration_nha import NHALlamaConfig
-from .modeling_nha import NHALlamaForCausalLM
+from .modeling_nha import NHA_MODEL_CLASSES
 
-for _config, _model in ((NHALlamaConfig, NHALlamaForCausalLM),):
-    AutoConfig.register(_config.model_type, _config, exist_ok=True)
-    AutoModelForCausalLM.register(_config, _model, exist_ok=True)
+for _model in NHA_MODEL_CLASSES.values():
+    AutoConfig.register(_model.config_class.model_type, _model.config_class, exist_ok=True)
+    AutoModelForCausalLM.register(_model.config_class, _model, exist_ok=True)

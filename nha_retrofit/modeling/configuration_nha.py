@@ -4,24 +4,35 @@ Saved in config.json as `nha_windows` (one entry per layer: an int window, or nu
 layer), `nha_num_slots`, `nha_gate_normalizer` and `nha_slot_bias_init`.
 """
 
+from dataclasses import dataclass
+
 from huggingface_hub.dataclasses import strict
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
 NHA_DEFAULTS = {"nha_num_slots": 64, "nha_gate_normalizer": 8.0, "nha_slot_bias_init": -4.0}
 
 
+@dataclass
 class NHAConfigMixin:
-    """Validation shared by every family's NHA config."""
+    """The NHA fields and their validation, shared by every family (listed first among the config's bases)."""
+
+    nha_windows: list | None = None
+    nha_num_slots: int = NHA_DEFAULTS["nha_num_slots"]
+    nha_gate_normalizer: float = NHA_DEFAULTS["nha_gate_normalizer"]
+    nha_slot_bias_init: float = NHA_DEFAULTS["nha_slot_bias_init"]
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.validate_nha()
 
     def validate_nha(self):
         windows = self.nha_windows
-        if windows is None:
-            return
-        if len(windows) != self.num_hidden_layers:
-            raise ValueError(f"nha_windows has {len(windows)} entries for {self.num_hidden_layers} layers")
-        for layer, window in enumerate(windows):
-            if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
-                raise ValueError(f"nha_windows[{layer}] = {window!r}: a window is an int >= 0, or null (full)")
+        if windows is not None:
+            if len(windows) != self.num_hidden_layers:
+                raise ValueError(f"nha_windows has {len(windows)} entries for {self.num_hidden_layers} layers")
+            for layer, window in enumerate(windows):
+                if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+                    raise ValueError(f"nha_windows[{layer}] = {window!r}: a window is an int >= 0, or null (full)")
         if self.nha_num_slots < 1:
             raise ValueError(f"nha_num_slots = {self.nha_num_slots}: at least one slot is needed")
         if self.nha_gate_normalizer <= 0:
@@ -36,11 +47,15 @@ class NHAConfigMixin:
 @strict
 class NHALlamaConfig(NHAConfigMixin, LlamaConfig):
     model_type = "nha_llama"
-    nha_windows: list | None = None
-    nha_num_slots: int = NHA_DEFAULTS["nha_num_slots"]
-    nha_gate_normalizer: float = NHA_DEFAULTS["nha_gate_normalizer"]
-    nha_slot_bias_init: float = NHA_DEFAULTS["nha_slot_bias_init"]
 
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
-        self.validate_nha()
+
+@strict
+class NHAQwen2Config(NHAConfigMixin, Qwen2Config):
+    """Qwen2/2.5. Its own sliding-window fields are switched off: the NHA plan decides every layer's window."""
+
+    model_type = "nha_qwen2"
+
+
+@strict
+class NHAQwen3MoeConfig(NHAConfigMixin, Qwen3MoeConfig):
+    model_type = "nha_qwen3_moe"

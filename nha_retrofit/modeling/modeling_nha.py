@@ -13,10 +13,13 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-from .configuration_nha import NHALlamaConfig
+from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
 from .nha_cache import NHACache
 from .nha_chunked import nha_chunked
 from .nha_recurrent import nha_recurrent_step
@@ -187,3 +190,44 @@ class NHALlamaAttention(NHAAttentionMixin, LlamaAttention):
 class NHALlamaForCausalLM(NHAForCausalLMMixin, LlamaForCausalLM):
     config_class = NHALlamaConfig
     nha_attention_class = NHALlamaAttention
+
+
+class NHAQwen2Attention(NHAAttentionMixin, Qwen2Attention):
+    pass
+
+
+class NHAQwen2ForCausalLM(NHAForCausalLMMixin, Qwen2ForCausalLM):
+    config_class = NHAQwen2Config
+    nha_attention_class = NHAQwen2Attention
+
+
+class NHAQwen3MoeAttention(NHAAttentionMixin, Qwen3MoeAttention):
+    pass
+
+
+class NHAQwen3MoeForCausalLM(NHAForCausalLMMixin, Qwen3MoeForCausalLM):
+    """Experts, router, mlp_only_layers and decoder_sparse_step are the original's; router logits and the aux loss
+    are returned as usual (`output_router_logits=True`)."""
+
+    config_class = NHAQwen3MoeConfig
+    nha_attention_class = NHAQwen3MoeAttention
+
+
+# model_type of the original family -> its NHA model class
+NHA_MODEL_CLASSES = {
+    "llama": NHALlamaForCausalLM,
+    "qwen2": NHAQwen2ForCausalLM,
+    "qwen3_moe": NHAQwen3MoeForCausalLM,
+}
+
+
+def _share_checkpoint_conversions():
+    """transformers rewrites some checkpoints while loading (Qwen3-MoE experts are stored per expert and fused in
+    memory) by model_type; NHA model types load and save the original's files, so they get the same rewrites."""
+    for original_type, model_class in NHA_MODEL_CLASSES.items():
+        mapping = get_checkpoint_conversion_mapping(original_type)
+        if mapping is not None:
+            register_checkpoint_conversion_mapping(model_class.config_class.model_type, mapping, overwrite=True)
+
+
+_share_checkpoint_conversions()

@@ -119,7 +119,7 @@ def cli(*args):
 def test_cli_convert_works_and_prints_the_plan(tiny_llama_folder, tmp_path):
     code, output = cli("convert", tiny_llama_folder, "--output", tmp_path / "out", "--full-layers", "2")
     assert code == 0 and "full attention at [0, 2]" in output
-    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
 
 
 @pytest.mark.parametrize(

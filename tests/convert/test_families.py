@@ -1,0 +1,127 @@
+"""Every supported family converts exactly, caches correctly, ships its real tokenizer and loads as remote code."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nha_retrofit.convert import convert
+from nha_retrofit.eval.compare import load_nha_checkpoint
+from real_tokenizers import llama3_tokenizer, qwen2_tokenizer
+from tiny_models import tiny_family_model
+
+FAMILIES = ["llama3", "qwen2.5", "qwen3_moe"]
+TOKENIZERS = {"llama3": llama3_tokenizer, "qwen2.5": qwen2_tokenizer, "qwen3_moe": qwen2_tokenizer}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(family, original model, original folder, converted folder): 2 of 6 layers full, w=3, M=5."""
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    original = tiny_family_model(name, seed=3)
+    original.save_pretrained(folder / "original")
+    TOKENIZERS[name]().save_pretrained(folder / "original")
+    out = convert(folder / "original", folder / "nha", full_layers=2, window=3, slots=5, slot_bias_init=-1.0,
+                  log=lambda *_: None)
+    return name, original, folder / "original", out
+
+
+def sample_ids(model, length=48, batch=2, seed=0):
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_all_full_windows_equal_the_original(family):
+    name, original, _, out = family
+    nha = load_nha_checkpoint(out)
+    ids = sample_ids(original)
+    with torch.no_grad():
+        hybrid = nha(ids).logits
+        nha.set_windows([None] * nha.config.num_hidden_layers)
+        assert (nha(ids).logits - original(ids).logits).abs().max() <= 1e-5
+    assert (hybrid - original(ids).logits).abs().max() > 1e-4
+
+
+def test_cached_generation_equals_a_full_forward(family):
+    _, original, _, out = family
+    nha = load_nha_checkpoint(out)
+    ids = sample_ids(original, length=40)
+    with torch.no_grad():
+        full = nha(ids, use_cache=False).logits
+        step = nha(ids[:, :30], use_cache=True)
+        pieces, cache = [step.logits], getattr(step, "cache", None) or step.past_key_values
+        for t in range(30, 40):
+            step = nha(ids[:, t : t + 1], cache=cache, use_cache=True)
+            pieces.append(step.logits)
+    assert (torch.cat(pieces, 1) - full).abs().max() <= 1e-5
+
+
+def test_real_tokenizer_is_copied(family):
+    name, _, _, out = family
+    text = "Native Hybrid Attention: slots + a sliding window, one softmax."
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == TOKENIZERS[name]()(text).input_ids
+
+
+def test_plan_replaces_the_original_window_settings(family):
+    name, _, _, out = family
+    config = json.loads((out / "config.json").read_text())
+    assert config["nha_windows"] == [3, None, 3, 3, None, 3]
+    assert config.get("use_sliding_window", False) is False
+    assert set(config.get("layer_types") or ["full_attention"]) == {"full_attention"}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_moe_routing_is_untouched_and_reports_router_logits(family):
+    name, original, _, out = family
+    nha = load_nha_checkpoint(out)
+    assert nha.config.mlp_only_layers == [0] and nha.config.decoder_sparse_step == 2
+    for ours, theirs in zip(nha.model.layers, original.model.layers):
+        assert type(ours.mlp) is type(theirs.mlp)
+    ids = sample_ids(original, length=20)
+    nha.train()
+    output = nha(ids, labels=ids, output_router_logits=True, use_cache=False)
+    assert output.aux_loss is not None and torch.isfinite(output.aux_loss) and len(output.router_logits) > 0
+    output.loss.backward()
+    assert nha.model.layers[2].self_attn.g_proj.weight.grad is not None
+
+
+def test_fresh_process_remote_code_without_nha_retrofit(family, tmp_path):
+    _, original, _, out = family
+    nha = load_nha_checkpoint(out)
+    ids = sample_ids(original, length=24, batch=1)
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": nha(ids).logits}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["nha_retrofit"] = None
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
+        saved = torch.load({str(tmp_path / "expected.pt")!r})
+        with torch.no_grad():
+            print((model(saved["ids"]).logits - saved["logits"]).abs().max().item())
+        print(model.generate(saved["ids"], max_new_tokens=4, do_sample=False).shape[1])
+    """)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    diff, length = result.stdout.split()[-2:]
+    assert float(diff) <= 1e-6 and int(length) == 28
+
+
+def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
+    model = tiny_family_model("qwen2.5").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    out = convert(tmp_path / "bf16", tmp_path / "nha", full_layers=1, log=lambda *_: None)
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    gate = "model.layers.0.self_attn.g_proj.weight"
+    with safe_open(out / index[gate], "pt") as handle:
+        assert handle.get_tensor(gate).dtype == torch.bfloat16
+    assert load_nha_checkpoint(out, dtype=None).dtype == torch.bfloat16
