@@ -188,3 +188,12 @@ def test_convert_a_hub_id_from_the_local_hf_cache(tiny_llama_folder, tmp_path, m
     assert json.loads((tmp_path / "out" / "nha_conversion.json").read_text())["source"] == "meta-llama/Meta-Llama-3-8B"
     code, output = cli("convert", "meta-llama/Meta-Llama-3-70B", "--output", tmp_path / "out2")
     assert code == 1 and "not in the local Hugging Face cache" in output
+
+
+def test_package_level_convert_is_the_function_even_after_submodule_imports(tiny_llama_folder, tmp_path):
+    import nha_retrofit
+    import nha_retrofit.convert.resolve  # noqa: F401  (importing submodules must not shadow the function)
+
+    assert callable(nha_retrofit.convert)
+    nha_retrofit.convert(tiny_llama_folder, tmp_path / "a", full_layers=1, log=lambda *_: None)
+    assert (tmp_path / "a" / "config.json").is_file()

@@ -1,0 +1,109 @@
+"""Memory-lean conversion of a real-size checkpoint: wall time and peak RSS of `nha-retrofit convert`.
+
+Builds a checkpoint with the shapes of Meta-Llama-3-8B (random bf16 weights, the Hub's 4-shard layout and
+index), then runs the CLI in a child process and reads its peak RSS from the kernel (getrusage of children).
+Usage: python benchmarks/convert_large.py [--workdir /tmp/nha-bench] [--keep]
+Writes benchmarks/results/convert_<name>.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LLAMA3_8B = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001, attention_bias=False, mlp_bias=False,
+)
+
+
+def llama_tensors(config):
+    """(name, shape) of every tensor, in the order the Hub checkpoint stores them."""
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
+    yield "model.embed_tokens.weight", (v, h)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        yield p + "self_attn.q_proj.weight", (h, h)
+        yield p + "self_attn.k_proj.weight", (kv, h)
+        yield p + "self_attn.v_proj.weight", (kv, h)
+        yield p + "self_attn.o_proj.weight", (h, h)
+        yield p + "mlp.gate_proj.weight", (i, h)
+        yield p + "mlp.up_proj.weight", (i, h)
+        yield p + "mlp.down_proj.weight", (h, i)
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+
+
+def write_checkpoint(folder: Path, config: dict, shards: int = 4):
+    folder.mkdir(parents=True)
+    tensors = list(llama_tensors(config))
+    sizes = [torch.Size(shape).numel() * 2 for _, shape in tensors]
+    budget = sum(sizes) / shards
+    groups, current, used = [], [], 0
+    for (name, shape), size in zip(tensors, sizes):
+        if current and used + size > budget and len(groups) < shards - 1:
+            groups.append(current)
+            current, used = [], 0
+        current.append((name, shape))
+        used += size
+    groups.append(current)
+    weight_map, generator = {}, torch.Generator().manual_seed(0)
+    for index, group in enumerate(groups):
+        file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16) for name, shape in group}
+        save_file(shard, folder / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+        del shard
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/nha-bench"))
+    parser.add_argument("--keep", action="store_true", help="keep the generated checkpoint for another run")
+    args = parser.parse_args()
+    source, output = args.workdir / "llama3-8b-shape", args.workdir / "llama3-8b-shape-nha"
+    if not source.exists():
+        start = time.perf_counter()
+        write_checkpoint(source, LLAMA3_8B)
+        print(f"wrote the source checkpoint in {time.perf_counter() - start:.0f} s")
+    shutil.rmtree(output, ignore_errors=True)
+    cli = [sys.executable, "-m", "nha_retrofit.cli", "convert", str(source), "--full-layers", "4", "-o", str(output)]
+    start = time.perf_counter()
+    subprocess.run(cli, check=True)
+    wall = time.perf_counter() - start
+    peak_rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    size_gb = sum(p.stat().st_size for p in output.glob("*.safetensors")) / 1e9
+    result = {
+        "model": "Meta-Llama-3-8B shapes, random bf16, 4 Hub shards", "plan": "4 full layers, w=64, M=64",
+        "wall_s": round(wall, 1), "peak_rss_gb": round(peak_rss_gb, 2), "output_gb": round(size_gb, 2),
+        "targets": {"wall_s": 120, "peak_rss_gb": 3}, "machine": f"{platform.node()}: {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM", "date": time.strftime("%Y-%m-%d"),
+        "load_average_1m": os.getloadavg()[0],
+    }
+    print(json.dumps(result, indent=2))
+    Path(__file__).parent.joinpath("results", "convert_llama3_8b.json").write_text(json.dumps(result, indent=2) + "\n")
+    shutil.rmtree(output, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(source, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
