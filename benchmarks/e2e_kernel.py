@@ -72,12 +72,14 @@ def main():
     names = ["x"] + list(params)
     rel = lambda u, r: ((u.double() - r.double()).norm() / r.double().norm()).item()  # noqa: E731
     print(f"T={a.tokens} w={a.window} M={a.slots}: relative error vs the float64 PyTorch path")
-    print(f"  {'':8s} {'triton':>10s} {'torch-bf16':>10s}")
-    worst = 0.0
+    ok = True
+    print(f"  {'':8s} {'triton':>10s} {'torch-bf16':>10s} {'triton vs torch-bf16':>22s}")
     for n, gk, gt, gr in [("out", y_k, y_t, y_r)] + list(zip(names, g_k, g_t, g_r)):
-        print(f"  {n:8s} {rel(gk, gr):10.2e} {rel(gt, gr):10.2e}")
-        worst = max(worst, rel(gk, gr))
-    print(f"  worst triton error {worst:.2e} -> {'PASS' if worst <= 5e-3 else 'FAIL'} (bf16 tolerance 5e-3)")
+        ek, et, ekt = rel(gk, gr), rel(gt, gr), rel(gk, gt)
+        print(f"  {n:8s} {ek:10.2e} {et:10.2e} {ekt:22.2e}")
+        ok &= ek <= 1.25 * et + 1e-3  # the kernel is as accurate as the PyTorch path in the same precision
+    # the bf16 projections themselves round q/k/v/gates (~2^-9): both bf16 paths carry that error
+    print(f"  {'PASS' if ok else 'FAIL'}: kernel error <= 1.25 x PyTorch-bf16 error (+1e-3) for output and all grads")
 
     for name, op in [("triton", nha_chunked_triton), ("torch", nha_chunked)]:
         ms_f = do_bench(lambda: block(params, x.to(bf), op, a.window, a.slots, bf), warmup=10, rep=50,

@@ -165,11 +165,40 @@ def run_decode(layers=28, window=64):
     return eager, graphed
 
 
+def parts(T=32768, w=64):
+    """Time each stage of the NHA kernel path separately (forward stages, window backward, slot backward)."""
+    from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels.slot_bwd import slot_backward
+    from nha_retrofit.kernels.window_bwd import window_backward
+
+    x = nha_inputs(T, False)
+    p = chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"], x["log_alpha"], w, None, x["slot_bias"])
+    out = {}
+    out["prepare"] = bench(lambda: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],
+                                                      x["log_alpha"], w, None, x["slot_bias"]))
+    out["slot_states(k)"] = bench(lambda: chunk_fwd.slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec))
+    out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
+    out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
+    out["fwd total + fp32 copy"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True, want_f32=True))
+    o, lse, _, o32 = chunk_fwd.forward(p, D**-0.5, True, want_f32=True)
+    do = torch.randn_like(o)
+    delta = (do.float() * o32).sum(-1)
+    out["window bwd (triton)"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
+    out["slot bwd (torch+scan)"] = bench(lambda: slot_backward(p, do, lse, delta, D**-0.5))
+    for k, v in out.items():
+        print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--skip", default="", help="comma list of impls to skip")
+    ap.add_argument("--gsa-lengths", default="8192,32768")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which fla_gsa is skipped")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     skip = set(args.skip.split(",")) if args.skip else set()
@@ -188,6 +217,19 @@ def main():
         torch.cuda.empty_cache()
 
     t_start = time.time()
+    if args.parts:
+        for k, v in parts().items():
+            records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
+    if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
+        from nha_retrofit.kernels import chunk_fwd
+
+        best = None
+        for warps in (4, 8):
+            chunk_fwd.CONFIG["num_warps_64"] = warps
+            ms = run_nha(32768, 64, "fwd")
+            print(f"tune: num_warps={warps}: fwd 32K {ms:.3f} ms", flush=True)
+            best = (ms, warps) if best is None or ms < best[0] else best
+        chunk_fwd.CONFIG["num_warps_64"] = best[1]
     for T in lengths:
         for mode in ("fwd", "fwd+bwd"):
             for w in (64, 512):
@@ -195,7 +237,6 @@ def main():
             record("sdpa", T, None, mode, lambda: run_sdpa(T, mode))
             for w in (64, 512):
                 record("fla_window", T, w, mode, lambda: run_fla_window(T, w, mode))
-            record("fla_gsa", T, 64, mode, lambda: run_fla_gsa(T, mode))
             for w in (64, 512):
                 fb, ff = floors(T, w, mode)
                 records.append(dict(impl="floor_bytes", T=T, window=w, mode=mode, ms=fb))
@@ -205,6 +246,13 @@ def main():
         records.append(dict(impl="nha_decode_28L_eager", T=None, window=64, mode="decode", ms=eager))
         records.append(dict(impl="nha_decode_28L_graph", T=None, window=64, mode="decode", ms=graphed))
         print(f"decode 28 layers: eager {eager:.3f} ms, graph replay {graphed:.3f} ms")
+    # fla's GSA autotunes many kernels on first use (minutes): last, and only while time is left
+    for T in [t for t in lengths if str(t) in args.gsa_lengths.split(",")]:
+        for mode in ("fwd", "fwd+bwd"):
+            if time.time() - t_start > args.deadline:
+                print(f"fla_gsa T={T} {mode}: skipped (deadline)")
+                continue
+            record("fla_gsa", T, 64, mode, lambda: run_fla_gsa(T, mode))
     print(f"bench wall {time.time() - t_start:.0f} s")
 
     os.makedirs(args.out_dir, exist_ok=True)

@@ -17,10 +17,11 @@ class _NHAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias)
         has_slots = _has_slots(prep)
-        o, lse, _ = chunk_fwd.forward(prep, scale, has_slots)
+        o, lse, _, o32 = chunk_fwd.forward(prep, scale, has_slots, want_f32=any(ctx.needs_input_grad))
+        o32 = o if o32 is None else o32
         ctx.prep, ctx.scale, ctx.has_slots = prep, scale, has_slots
         ctx.bias_none = slot_bias is None
-        ctx.save_for_backward(o, lse)
+        ctx.save_for_backward(o32, lse)
         return o
 
     @staticmethod
@@ -77,7 +78,7 @@ def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, atten
     filled0 = initial_state.slots_filled
     has_slots = _has_slots(prep, bool(filled0.any()))
     carried = bool(filled0.any())
-    o, _, states = chunk_fwd.forward(
+    o, _, states, _ = chunk_fwd.forward(
         prep, scale, has_slots,
         initial_keys=initial_state.slot_keys if carried else None,
         initial_values=initial_state.slot_values if carried else None,

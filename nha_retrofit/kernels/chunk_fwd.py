@@ -5,9 +5,9 @@ tokens j = 0 .. u - W (W = window), plus the window keys u - W + 1 .. u, under o
 j = u' - W, the slot part is an inclusive gated-slot read over a "shifted" stream u' (token u' - W), so the
 chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c * CS - W.
 
-1. `_state_fwd_kernel`: per (batch, kv head, column block), a sequential loop over stream chunks of CS
-   tokens, storing the slot state before each chunk (and the final state) in fp32. Only the decay of the
-   chunk's own tokens is applied (exp(a_last - a_j) <= 1): numerically safe for any gate.
+1. `_chunk_update_kernel` (every chunk in parallel: its own update, only exp(a_last - a_j) <= 1 factors,
+   safe for any gate) then `_state_scan_kernel` (an elementwise scan over chunks): the fp32 slot state
+   before each stream chunk of CS tokens, and the final state.
 2. `_fwd_kernel`: per (query block of CQ tokens, batch, kv head), all G query heads of the kv head as rows
    (row r = token r // G, head r % G), so K/V tiles are loaded once per kv head (GQA without expansion).
    It runs flash-style online softmax over the sliding window (keys max(0, t-W+1) .. t), then computes the
@@ -38,53 +38,74 @@ def alloc(*shape, dtype, device):
 
 
 @triton.jit
-def _state_fwd_kernel(
-    X, G, MASK, S0, S,
+def _chunk_update_kernel(
+    X, G, MASK, U, DEC,
     sx_b, sx_t, sx_h, sg_b, sg_t, sg_h,
     T, W, NCH,
     H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
-    HAS_S0: tl.constexpr, PREC: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    pid_d = tl.program_id(0)
+    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last)."""
+    c = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
     offs_d = pid_d * BD + tl.arange(0, BD)
     offs_m = tl.arange(0, M)
     offs_j = tl.arange(0, CSZ)
     dmask = offs_d < DX
-    s_base = S + pid_bh.to(tl.int64) * (NCH + 1) * M * DX
+    j = c * CSZ - W + offs_j
+    jv = (j >= 0) & (j < T - W)
+    real = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
+    jr = jv & real
+    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
+                mask=jr[:, None], other=0.0).to(tl.float32)
+    a = tl.cumsum(g, axis=0)
+    a_last = tl.sum(g, axis=0)
+    wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
+    x = tl.load(X + b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :],
+                mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    upd = tl.dot(tl.trans(wgt), x, input_precision=PREC)
+    base = pid_bh.to(tl.int64) * (NCH + 1) + c + 1
+    tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
+    if pid_d == 0:
+        tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, tl.exp(a_last))
+
+
+@triton.jit
+def _state_scan_kernel(S, DEC, S0, NCH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                       HAS_S0: tl.constexpr):
+    """In place over S [BH, NCH + 1, M, DX] holding the chunk updates at 1..NCH: S[c+1] = DEC[c] * S[c] + U[c+1]."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    NDB: tl.constexpr = (DX + BD - 1) // BD
+    offs_m = (pid_t // NDB) * BM + tl.arange(0, BM)
+    offs_d = (pid_t % NDB) * BD + tl.arange(0, BD)
+    dmask = offs_d < DX
     tile = offs_m[:, None] * DX + offs_d[None, :]
+    base = pid_bh.to(tl.int64) * (NCH + 1)
     if HAS_S0:
         state = tl.load(S0 + pid_bh.to(tl.int64) * M * DX + tile, mask=dmask[None, :], other=0.0).to(tl.float32)
     else:
-        state = tl.zeros([M, BD], dtype=tl.float32)
-    limit = T - W
+        state = tl.zeros([BM, BD], dtype=tl.float32)
+    tl.store(S + base * M * DX + tile, state, mask=dmask[None, :])
     for c in range(NCH):
-        tl.store(s_base + c * M * DX + tile, state, mask=dmask[None, :])
-        j = c * CSZ - W + offs_j
-        jv = (j >= 0) & (j < limit)
-        real = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
-        jr = jv & real
-        g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                    mask=jr[:, None], other=0.0).to(tl.float32)
-        a = tl.cumsum(g, axis=0)
-        a_last = tl.sum(g, axis=0)
-        wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
-        x = tl.load(X + b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :],
-                    mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        state = tl.exp(a_last)[:, None] * state + tl.dot(tl.trans(wgt), x, input_precision=PREC)
-    tl.store(s_base + NCH * M * DX + tile, state, mask=dmask[None, :])
+        upd = tl.load(S + (base + c + 1) * M * DX + tile, mask=dmask[None, :], other=0.0)
+        dec = tl.load(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m)
+        state = dec[:, None] * state + upd
+        tl.store(S + (base + c + 1) * M * DX + tile, state, mask=dmask[None, :])
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE,
+    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE, O32,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
+    STORE_F32: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -189,6 +210,8 @@ def _fwd_kernel(
     o_off = b * so_b + t.to(tl.int64) * so_t + hq * DV
     tl.store(O + o_off[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=tv[:, None])
     tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
+    if STORE_F32:  # the unrounded output, for an exact delta = rowsum(dO * O) in the backward
+        tl.store(O32 + o_off[:, None] + offs_dv[None, :], out, mask=tv[:, None])
 
 
 def dot_precision(dtype):
@@ -222,24 +245,33 @@ class Prepared:
 
 
 def slot_states(x, log_alpha, mask, W, nch, prec, initial=None):
-    """Slot state before each stream chunk of CS tokens, and the final one: [B, H, nch + 1, M, DX] fp32."""
+    """Slot state before each stream chunk of CS tokens, and the final one: [B, H, nch + 1, M, DX] fp32.
+
+    Two launches: every chunk's own update in parallel, then a short elementwise scan over chunks."""
     B, T, H, DX = x.shape
     M = log_alpha.shape[-1]
     out = alloc(B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
+    dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
     BD = min(64, triton.next_power_of_2(DX))
-    grid = (triton.cdiv(DX, BD), B * H)
-    s0 = initial.contiguous().float() if initial is not None else out
-    _state_fwd_kernel[grid](
-        x, log_alpha, mask, s0, out,
+    _chunk_update_kernel[(nch, B * H, triton.cdiv(DX, BD))](
+        x, log_alpha, mask, out, dec,
         x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
-        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, HAS_S0=initial is not None, PREC=prec,
-        num_warps=4,
+        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=prec, num_warps=4,
+    )
+    s0 = initial.contiguous().float() if initial is not None else out
+    BM, BDS = min(M, 16), min(64, triton.next_power_of_2(DX))
+    _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
+        out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
     )
     return out
 
 
-def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None):
-    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), and the slot states (or None)."""
+CONFIG = {"num_warps_64": 8, "num_warps_128": 8, "num_stages": 2}  # launch settings of the fused kernel
+
+
+def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, want_f32=False):
+    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), the slot states (or None) and, with
+    `want_f32`, the output in fp32 (else None)."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
@@ -252,18 +284,22 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
+    o32 = alloc(B, T, HQ, DV, dtype=torch.float32, device=dev) if want_f32 and p.q.dtype != torch.float32 else None
     BR = max(16, triton.next_power_of_2(CQ * G))
     BN = 64 if BR <= 64 else 32
     grid = (triton.cdiv(T, CQ), B * H)
+    warps = 4 if BR * max(D, DV) < 64 * 128 else CONFIG["num_warps_64"] if BR <= 64 else CONFIG["num_warps_128"]
     _fwd_kernel[grid](
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, o, lse,
+        p.bias, sk, sv, o, lse, o if o32 is None else o32,
         p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
         p.v.stride(0), p.v.stride(1), p.v.stride(2),
         p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=CQ, CSZ=CS, BR=BR, BN=BN,
-        HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP,
-        num_warps=4 if BR <= 64 else 8, num_stages=2,
+        HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP, STORE_F32=o32 is not None,
+        num_warps=warps, num_stages=CONFIG["num_stages"],
     )
-    return o, lse, ((sk, sv) if has_slots else None)
+    if want_f32 and o32 is None:
+        o32 = o
+    return o, lse, ((sk, sv) if has_slots else None), o32

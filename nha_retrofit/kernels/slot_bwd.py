@@ -64,7 +64,18 @@ def _interpreting():
 
 
 def slot_backward(p, do, lse, delta, scale, filled0=None):
-    """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias), fp32."""
+    """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias), fp32.
+
+    fp32 products; for bf16/fp16 inputs the matrix products may use TF32 (relative error ~3e-4)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = p.prec != "ieee"
+    try:
+        return _slot_backward(p, do, lse, delta, scale, filled0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _slot_backward(p, do, lse, delta, scale, filled0=None):
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     n, C = p.nch, CS
     L = n * C
