@@ -1,0 +1,149 @@
+"""The model to finetune: a converted checkpoint, or an original converted on the fly; its trainable set."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import NHARetrofitError
+from ..modeling.modeling_nha import NHAAttentionMixin
+from .recipe import ModelSection, TrainSection
+
+
+@dataclass
+class ModelSource:
+    folder: Path  # the checkpoint folder read (converted NHA, or the original)
+    converted: bool  # True when folder already is an NHA checkpoint
+    original: str  # what the user named as the original model (for the export record)
+    original_path: Path | None
+    plan: object = None  # LayerPlan when converting on the fly
+    record: dict | None = None  # the conversion record of a converted checkpoint
+
+
+def resolve_source(spec: ModelSection) -> ModelSource:
+    """Decide how to obtain the NHA model, reading only config files."""
+    from ..convert.converter import CONVERSION_RECORD, read_source_config_dict
+    from ..convert.resolve import resolve_model
+    from ..plan import build_plan
+    from .recipe import ConvertSection
+
+    folder = resolve_model(spec.path)
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError) as error:
+        raise NHARetrofitError(f"cannot read {folder / 'config.json'}: {error}") from None
+    if model_type.startswith("nha_"):
+        if spec.convert is not None:
+            raise NHARetrofitError(
+                f"recipe key model.convert: {spec.path} is already converted ({model_type}); remove model.convert"
+            )
+        record_path = folder / CONVERSION_RECORD
+        record = json.loads(record_path.read_text()) if record_path.is_file() else None
+        original_path = Path(record["source_path"]) if record and record.get("source_path") else None
+        original = record.get("source", str(original_path)) if record else "unknown"
+        return ModelSource(folder, True, original, original_path, None, record)
+    config = read_source_config_dict(folder)
+    c = spec.convert or ConvertSection()
+    plan = build_plan(
+        config["num_hidden_layers"], full_layers=len(c.full_layer_ids) if c.full_layer_ids else c.full_layers,
+        full_layer_ids=c.full_layer_ids, window=c.window, slots=c.slots, gate_normalizer=c.gate_normalizer,
+        slot_bias_init=c.slot_bias_init,
+    )
+    return ModelSource(folder, False, spec.path, folder, plan, None)
+
+
+def _model_class_and_config(source: ModelSource):
+    from ..convert.converter import nha_config_for, read_source_config_dict
+    from ..modeling.modeling_nha import NHA_MODEL_CLASSES
+
+    if source.converted:
+        model_type = json.loads((source.folder / "config.json").read_text())["model_type"]
+        classes = {mc.config_class.model_type: mc for mc in NHA_MODEL_CLASSES.values()}
+        if model_type not in classes:
+            raise NHARetrofitError(f"{source.folder}: unsupported NHA family {model_type}")
+        model_class = classes[model_type]
+        return model_class, model_class.config_class.from_pretrained(source.folder)
+    return nha_config_for(read_source_config_dict(source.folder), source.plan)
+
+
+def model_config(source: ModelSource):
+    """The NHA config of the model to train, without reading weights."""
+    return _model_class_and_config(source)[1]
+
+
+def load_model(source: ModelSource):
+    """The NHA model in fp32 on the CPU (accelerate moves it)."""
+    from ..convert.converter import build_nha_model
+    from ..eval.compare import load_nha_checkpoint
+
+    if source.converted:
+        return load_nha_checkpoint(source.folder, dtype=torch.float32)
+    return build_nha_model(source.folder, source.plan).float()
+
+
+def meta_model(source: ModelSource):
+    """A weightless copy (meta device) for --dry-run and export skeletons: no gigabytes read."""
+    model_class, config = _model_class_and_config(source)
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def nha_modules(model) -> list[NHAAttentionMixin]:
+    return [m for m in model.modules() if isinstance(m, NHAAttentionMixin)]
+
+
+def _nha_layer_prefixes(model) -> list[str]:
+    return [name + "." for name, m in model.named_modules() if isinstance(m, NHAAttentionMixin) and m.window is not None]
+
+
+def select_trainable(model, spec: TrainSection):
+    """Apply the trainable set; returns the model to train (a peft model for `lora`)."""
+    prefixes = _nha_layer_prefixes(model)
+    if not prefixes:
+        raise NHARetrofitError("the model has no NHA layer (every window is full): nothing of NHA to train")
+    projections = ("q_proj.", "k_proj.", "v_proj.", "o_proj.")
+    for name, param in model.named_parameters():
+        in_nha = any(name.startswith(p) for p in prefixes)
+        local = name[len(next(p for p in prefixes if name.startswith(p))) :] if in_nha else ""
+        gate = in_nha and (local.startswith("g_proj.") or local == "slot_bias")
+        if spec.trainable == "full":
+            param.requires_grad_(True)
+        elif spec.trainable in ("gates", "lora"):
+            param.requires_grad_(gate)
+        else:  # attention: the paper's setting (FFN, embeddings, norms and full layers frozen)
+            param.requires_grad_(gate or (in_nha and local.startswith(projections)))
+    if spec.trainable != "lora":
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise NHARetrofitError("train.trainable: lora needs the `peft` package: pip install peft") from None
+    targets = "|".join(t.replace(".", r"\.") for t in spec.lora.target_modules)
+    layers = "|".join(p.rstrip(".").replace(".", r"\.") for p in prefixes)
+    config = LoraConfig(
+        r=spec.lora.r, lora_alpha=spec.lora.alpha, lora_dropout=spec.lora.dropout,
+        target_modules=rf"^(?:{layers})\.(?:{targets})$", bias="none",
+    )
+    gates = {n for n, p in model.named_parameters() if p.requires_grad}
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as error:
+        raise NHARetrofitError(f"recipe key train.lora.target_modules: {str(error).splitlines()[0]}") from None
+    for name, param in peft_model.get_base_model().named_parameters():
+        if name in gates:  # peft froze the base model: gates and slot offsets stay fully trainable
+            param.requires_grad_(True)
+    return peft_model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    seen, trainable, total = set(), 0, 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return trainable, total

@@ -1,0 +1,442 @@
+"""The finetuning loop (accelerate): stages, checkpoints, resume, evaluation, metrics, export.
+
+Works the same in one process (CPU or GPU) and under `accelerate launch` (DDP, FSDP2, DeepSpeed ZeRO-3). Every
+process reads the same packed-block stream and takes its own slice of each global micro-batch, so the data
+position is one number per run and resuming is exact. A checkpoint (trainable weights, optimizer, schedule, data
+position, RNG states, the run's summary so far) is written by accelerate into a temporary folder that is renamed
+`step-NNNNNNNN` only when complete; older ones are removed after that, so a failed save keeps the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import NHARetrofitError
+from . import stages
+from .data import load_blocks
+from .model import count_parameters, load_model, meta_model, model_config, resolve_source, select_trainable
+from .recipe import Recipe, load_recipe
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class RunState:
+    """What a checkpoint holds besides accelerate's own files (registered with `register_for_checkpointing`)."""
+
+    def __init__(self, data):
+        self.data = data
+        self.step = 0
+        self.tokens = 0
+        self.elapsed_s = 0.0
+        self.summary: dict = {}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s, "summary": self.summary,
+                "data": self.data.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens, self.elapsed_s = state["step"], state["tokens"], state["elapsed_s"]
+        self.summary = state["summary"]
+        self.data.load_state_dict(state["data"])
+
+
+def lr_lambda(recipe: Recipe, transfer_steps: int, lm_steps: int):
+    """Absolute learning rate at a global step: each stage warms up and decays on its own."""
+    t = recipe.train
+
+    def at(step: int) -> float:
+        if step < transfer_steps:
+            peak, start, length = recipe.stages.attention_transfer.lr or t.lr, 0, transfer_steps
+        else:
+            peak, start, length = recipe.stages.lm.lr or t.lr, transfer_steps, lm_steps
+        i = step - start
+        warmup = min(t.warmup_steps, max(length - 1, 0))
+        if i < warmup:
+            return peak * (i + 1) / (warmup + 1)
+        if t.schedule == "constant" or length - warmup <= 1:
+            return peak
+        progress = min((i - warmup) / (length - warmup - 1), 1.0)
+        floor = t.min_lr_ratio
+        if t.schedule == "linear":
+            return peak * (1 - (1 - floor) * progress)
+        return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    return at
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def machine_description() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads ({os.cpu_count()} cores)"
+
+
+def _precision(value: str) -> str:
+    if value == "auto":
+        return "bf16" if torch.cuda.is_available() else "no"
+    return {"fp32": "no"}.get(value, value)
+
+
+class Run:
+    """One finetuning run, from a validated recipe."""
+
+    def __init__(self, recipe: Recipe, *, resume=False, overwrite=False, log=print):
+        self.recipe, self.resume, self.overwrite, self.log = recipe, resume, overwrite, log
+        self.out = Path(recipe.train.output_dir)
+        self.checkpoints = self.out / CHECKPOINTS
+
+    # ------------------------------------------------------------------------------------------------ planning
+    def plan(self, accelerator_processes: int) -> dict:
+        r = self.recipe
+        self.source = resolve_source(r.model)
+        self.config = model_config(self.source)
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and r.data.seq_len > limit:
+            raise NHARetrofitError(
+                f"recipe key data.seq_len: {r.data.seq_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        per_step = r.data.seq_len * r.train.batch_size * r.train.grad_accum * accelerator_processes
+        self.tokens_per_step = per_step
+        self.transfer_steps = math.ceil(r.stages.attention_transfer.tokens / per_step)
+        self.lm_steps = math.ceil(r.stages.lm.tokens / per_step)
+        self.total_steps = self.transfer_steps + self.lm_steps
+        return {
+            "model": str(self.source.folder),
+            "converted_on_the_fly": not self.source.converted,
+            "full_layers": [i for i, w in enumerate(self.config.nha_windows) if w is None],
+            "windows": sorted({w for w in self.config.nha_windows if w is not None}),
+            "processes": accelerator_processes,
+            "tokens_per_step": per_step,
+            "attention_transfer_steps": self.transfer_steps,
+            "lm_steps": self.lm_steps,
+            "total_steps": self.total_steps,
+            "total_tokens": self.total_steps * per_step,
+        }
+
+    def _tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.source.folder)
+        except (OSError, ValueError, TypeError) as error:
+            raise NHARetrofitError(f"no usable tokenizer in {self.source.folder}: {str(error).splitlines()[0]}") from None
+
+    def _check_output(self):
+        existing = list_checkpoints(self.checkpoints)
+        if self.resume:
+            if not existing:
+                raise NHARetrofitError(f"--resume: no checkpoint in {self.checkpoints}")
+            return existing[-1]
+        if existing or (self.out / METRICS).exists():
+            if not self.overwrite:
+                raise NHARetrofitError(
+                    f"{self.out} already holds a run; pass --resume to continue it or --overwrite to start again"
+                )
+        return None
+
+    # ------------------------------------------------------------------------------------------------ dry run
+    def dry_run(self) -> dict:
+        from accelerate import PartialState
+
+        state = PartialState()
+        plan = self.plan(state.num_processes)
+        tokenizer = self._tokenizer()
+        data = load_blocks(self.recipe.data, tokenizer)
+        skeleton = select_trainable(meta_model(self.source), self.recipe.train)
+        trainable, total = count_parameters(skeleton)
+        plan.update(trainable_parameters=trainable, total_parameters=total, data=data.describe())
+        if data.train_tokens is not None:
+            plan["epochs"] = round(plan["total_tokens"] / data.train_tokens, 3)
+        self._check_output()
+        return plan
+
+    # ------------------------------------------------------------------------------------------------ training
+    def train(self):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, set_seed
+
+        r = self.recipe
+        if r.train.threads:
+            torch.set_num_threads(r.train.threads)
+        handlers = [DistributedDataParallelKwargs(find_unused_parameters=r.stages.attention_transfer.tokens > 0)]
+        log_with = None
+        if r.train.tensorboard:
+            from accelerate.utils import is_tensorboard_available
+
+            if not is_tensorboard_available():
+                raise NHARetrofitError("recipe key train.tensorboard: install tensorboard (pip install tensorboard)")
+            log_with = "tensorboard"
+        acc = Accelerator(mixed_precision=_precision(r.train.precision), kwargs_handlers=handlers, log_with=log_with,
+                          project_dir=str(self.out))
+        self.acc = acc
+        plan = self.plan(acc.num_processes)
+        last = self._check_output()
+        if acc.is_main_process:
+            self.log(f"plan: {json.dumps(plan)}")
+        set_seed(r.train.seed)
+        tokenizer = self._tokenizer()
+        data = load_blocks(r.data, tokenizer)
+        if acc.is_main_process:
+            self.log(f"data: {data.describe()}")
+        model = load_model(self.source)
+        self.source_dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        if r.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = select_trainable(model, r.train)
+        trainable, total = count_parameters(model)
+        if acc.is_main_process:
+            self.log(f"trainable parameters: {trainable:,} of {total:,} ({r.train.trainable})")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if r.train.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(params, lr=1.0, betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(params, lr=1.0, momentum=r.train.betas[0], weight_decay=r.train.weight_decay)
+        schedule = lr_lambda(r, self.transfer_steps, self.lm_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        model, optimizer = acc.prepare(model, optimizer)
+        unwrapped = acc.unwrap_model(model)
+        run = RunState(data)
+        acc.register_for_checkpointing(scheduler, run)
+        trainable_names = {n for n, p in model.named_parameters() if p.requires_grad}
+
+        def keep_trainable(models, weights, output_dir):  # checkpoints hold only what training changes
+            for state in weights:
+                for key in [k for k in state if k not in trainable_names]:
+                    del state[key]
+
+        acc.register_save_state_pre_hook(keep_trainable)
+        self.model, self.unwrapped, self.optimizer, self.scheduler, self.run = model, unwrapped, optimizer, scheduler, run
+
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for stale in self.checkpoints.glob(".tmp-*") if self.checkpoints.is_dir() else []:
+                shutil.rmtree(stale, ignore_errors=True)
+            if not self.resume:
+                if self.checkpoints.exists():
+                    shutil.rmtree(self.checkpoints)
+                (self.out / METRICS).unlink(missing_ok=True)
+        acc.wait_for_everyone()
+
+        if last is not None:
+            acc.load_state(str(last), strict=False)
+            self._truncate_metrics(run.step)
+            if acc.is_main_process:
+                self.log(f"resumed from {last} (step {run.step}, {run.tokens:,} tokens)")
+        else:
+            run.summary = {"machine": machine_description(), "plan": plan, "trainable_parameters": trainable,
+                           "total_parameters": total, "data": data.describe()}
+            run.summary["before"] = self._evaluate(data, heldout=True, original=True)
+        if r.train.tensorboard:
+            acc.init_trackers("finetune")
+        self._loop(data, run)
+        if r.train.tensorboard:
+            acc.end_training()
+        return run
+
+    def _truncate_metrics(self, step: int):
+        path = self.out / METRICS
+        if self.acc.is_main_process and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def _write_metrics(self, record: dict):
+        if self.acc.is_main_process:
+            with open(self.out / METRICS, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            if self.recipe.train.tensorboard:
+                self.acc.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
+
+    def _evaluate(self, data, heldout: bool, original: bool = False) -> dict:
+        """Held-out blocks (CE, KL to the teacher) and, when asked, the recipe's held-out texts."""
+        from ..eval.perplexity import perplexity
+        from ..eval.texts import load_heldout_tokens
+
+        e, result = self.recipe.eval, {}
+        with self.acc.autocast():
+            if data.eval_blocks.shape[0]:
+                result.update(stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size))
+                result["eval_ppl"] = math.exp(result["eval_ce"])
+                if original:
+                    teacher = stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size,
+                                                     teacher=True)
+                    result["original_eval_ppl"] = math.exp(teacher["eval_ce"])
+            if heldout and e.heldout_texts:
+                tokenizer = self._tokenizer()
+                for name in e.heldout_texts:
+                    ids = load_heldout_tokens(tokenizer, name, e.heldout_max_tokens)
+                    kwargs = dict(chunk_len=e.heldout_chunk_len, max_tokens=e.heldout_max_tokens)
+                    result[f"{name}_ppl"] = perplexity(self.unwrapped, ids, **kwargs)
+                    if original:
+                        with stages.teacher_mode(self.unwrapped):
+                            result[f"{name}_original_ppl"] = perplexity(self.unwrapped, ids, **kwargs)
+        if self.acc.is_main_process and result:
+            self.log("eval: " + ", ".join(f"{k} {v:.4g}" for k, v in result.items()))
+        return result
+
+    def _all_finite(self, *values) -> bool:
+        bad = torch.tensor([0.0 if all(math.isfinite(float(v)) for v in values) else 1.0], device=self.acc.device)
+        return bool(self.acc.reduce(bad, reduction="sum").item() == 0)
+
+    def _loop(self, data, run: RunState):
+        from tqdm.auto import tqdm
+
+        r, acc = self.recipe, self.acc
+        world, rank, bs = acc.num_processes, acc.process_index, r.train.batch_size
+        bar = tqdm(total=self.total_steps, initial=run.step, desc="finetune", unit="step",
+                   disable=not acc.is_main_process)
+        start = time.monotonic() - run.elapsed_s
+        last_saved = run.step if run.step else None
+        lm = r.stages.lm
+        while run.step < self.total_steps:
+            stage = "attention_transfer" if run.step < self.transfer_steps else "lm"
+            data_at_start = data.state_dict()
+            self.model.train()
+            totals: dict = {}
+            for _ in range(r.train.grad_accum):
+                blocks = data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(acc.device)
+                with acc.autocast():
+                    if stage == "attention_transfer":
+                        loss, metrics = stages.attention_transfer_loss(self.model, self.unwrapped, blocks)
+                    else:
+                        loss, metrics = stages.lm_loss(self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
+                                                       distill_weight=lm.distill_weight, temperature=lm.temperature)
+                if not self._all_finite(loss.item()):
+                    data.load_state_dict(data_at_start)
+                    self._stop_non_finite(run, stage, "loss", last_saved)
+                acc.backward(loss / r.train.grad_accum)
+                metrics["loss"] = loss.item()
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value / r.train.grad_accum
+            grad_norm = None
+            if r.train.max_grad_norm > 0:
+                grad_norm = acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                r.train.max_grad_norm)
+                grad_norm = float(grad_norm) if grad_norm is not None else None
+                if grad_norm is not None and not self._all_finite(grad_norm):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    data.load_state_dict(data_at_start)
+                    self._stop_non_finite(run, stage, "gradient norm", last_saved)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            run.tokens += self.tokens_per_step
+            run.elapsed_s = time.monotonic() - start
+            reduced = {k: acc.reduce(torch.tensor(v, device=acc.device), reduction="mean").item()
+                       for k, v in sorted(totals.items())}
+            record = {"step": run.step, "stage": stage, **reduced, "lr": lr, "tokens": run.tokens,
+                      "elapsed_s": round(run.elapsed_s, 3)}
+            if grad_norm is not None:
+                record["grad_norm"] = grad_norm
+            if run.step % r.train.log_every == 0 or run.step == self.total_steps:
+                self._write_metrics(record)
+            bar.update(1)
+            bar.set_postfix(stage=stage[:8], loss=f"{reduced['loss']:.4f}")
+            final = run.step == self.total_steps
+            if r.train.eval_every and run.step % r.train.eval_every == 0 and not final:
+                self._write_metrics({"step": run.step, **self._evaluate(data, heldout=False)})
+            if final:
+                run.summary["after"] = self._evaluate(data, heldout=True)
+                run.summary.update(steps=run.step, tokens=run.tokens, wall_time_s=round(run.elapsed_s, 1))
+                self._write_metrics({"step": run.step, **run.summary["after"]})
+            stop = r.train.stop_after_steps is not None and run.step >= r.train.stop_after_steps and not final
+            if final or stop or (r.train.checkpoint_every and run.step % r.train.checkpoint_every == 0):
+                self.save_checkpoint(run.step)
+                last_saved = run.step
+            if stop:
+                bar.close()
+                if acc.is_main_process:
+                    self.log(f"stopped after step {run.step} (train.stop_after_steps); continue with --resume")
+                return
+        bar.close()
+
+    def _stop_non_finite(self, run: RunState, stage: str, what: str, last_saved):
+        if last_saved != run.step:
+            self.save_checkpoint(run.step)
+        raise NHARetrofitError(
+            f"non-finite {what} at step {run.step + 1} ({stage}); stopped. The last good state (step {run.step}) is "
+            f"saved in {self.checkpoints}; lower the learning rate (e.g. --set train.lr=...) and pass --resume"
+        )
+
+    def save_checkpoint(self, step: int) -> Path:
+        """accelerate.save_state into a temporary folder, renamed when complete; older ones removed after."""
+        acc = self.acc
+        final = self.checkpoints / f"step-{step:08d}"
+        tmp = self.checkpoints / f".tmp-step-{step:08d}"
+        previous = list_checkpoints(self.checkpoints)
+        if acc.is_main_process:
+            self.checkpoints.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        failure = None
+        try:
+            acc.save_state(str(tmp))
+        except OSError as error:
+            failure = error
+        failed = torch.tensor([1.0 if failure else 0.0], device=acc.device)
+        if acc.reduce(failed, reduction="sum").item() > 0:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            reason = (failure.strerror or str(failure)) if failure else "failed on another process"
+            kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+            raise NHARetrofitError(f"cannot save checkpoint {final}: {reason}; {kept}")
+        if acc.is_main_process:
+            (tmp / "run.json").write_text(json.dumps(
+                {"step": step, "tokens": self.run.tokens, "recipe": self.recipe.as_dict()}, indent=2, default=str))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.checkpoints)[: -self.recipe.train.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        return final
+
+
+def finetune(recipe, overrides=(), *, resume=False, dry_run=False, overwrite=False, log=print):
+    """Run a finetuning recipe (a YAML path, a dict, or a Recipe). Returns the dry-run plan, or a summary dict
+    with the exported folder. Resumes from the last checkpoint with `resume=True`."""
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, list(overrides))
+    run = Run(recipe, resume=resume, overwrite=overwrite, log=log)
+    if dry_run:
+        plan = run.dry_run()
+        return plan
+    state = run.train()
+    summary = dict(state.summary)
+    if "after" not in summary:  # stopped early (train.stop_after_steps)
+        return {"stopped_at_step": state.step, "checkpoints": str(run.checkpoints)}
+    if recipe.export.enabled:
+        from .export import export_merged
+
+        folder = Path(recipe.export.folder or Path(recipe.train.output_dir) / "model")
+        summary["export"] = str(folder)
+        export_merged(run, folder, summary)
+    if run.acc.is_main_process:
+        (Path(recipe.train.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    run.acc.wait_for_everyone()
+    return summary
+
+
+with contextlib.suppress(Exception):  # quiet accelerate's "no distributed environment" info lines
+    import logging
+
+    logging.getLogger("accelerate").setLevel(logging.WARNING)

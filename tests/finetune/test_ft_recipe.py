@@ -1,0 +1,112 @@
+"""Recipe schema: typed keys, overrides, errors that name the key; every shipped recipe passes --dry-run."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ft_helpers import save_recipe, tiny_recipe, write_corpus, write_tiny_original
+from nha_retrofit.errors import NHARetrofitError
+from nha_retrofit.finetune import finetune, load_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def minimal(**extra):
+    return {"model": {"path": "x"}, "data": {"files": ["a.txt"]}, "stages": {"lm": {"tokens": 10}}, **extra}
+
+
+def test_defaults_and_types():
+    recipe = load_recipe(minimal(train={"lr": "3e-5", "batch_size": 2.0}))
+    assert recipe.train.lr == 3e-5 and recipe.train.batch_size == 2
+    assert recipe.train.trainable == "attention" and recipe.stages.attention_transfer.tokens == 0
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (minimal(trian={}), "recipe key trian: unknown key"),
+        (minimal(train={"lrr": 1}), "recipe key train.lrr: unknown key"),
+        (minimal(train={"lr": "fast"}), "recipe key train.lr: expected a number"),
+        (minimal(train={"lr": -1.0}), "recipe key train.lr: -1.0: must be > 0"),
+        (minimal(train={"batch_size": 1.5}), "recipe key train.batch_size: expected an integer"),
+        (minimal(train={"trainable": "ffn"}), "recipe key train.trainable: expected one of attention, gates, lora"),
+        (minimal(train={"gradient_checkpointing": "yes"}), "recipe key train.gradient_checkpointing: expected true"),
+        (minimal(data={"files": "a.txt"}), "recipe key data.files: expected a list"),
+        (minimal(data={"files": ["a"], "dataset": "b/c"}), "recipe key data: give exactly one"),
+        (minimal(stages={"lm": {"tokens": 0}}), "recipe key stages: both stages have tokens 0"),
+        (minimal(eval={"heldout_texts": ["poems"]}), "recipe key eval.heldout_texts[0]: 'poems'"),
+        ({"data": {"files": ["a"]}, "stages": {"lm": {"tokens": 1}}}, "recipe key model.path: required"),
+    ],
+)
+def test_errors_name_the_key(raw, message):
+    with pytest.raises(NHARetrofitError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe(raw)
+
+
+def test_overrides(tmp_path):
+    path = save_recipe(minimal(), tmp_path / "r.yaml")
+    recipe = load_recipe(path, ["train.lr=1e-4", "stages.lm.distill_weight=0.5", "train.lora.target_modules=[q_proj]",
+                                "model.convert.window=32"])
+    assert recipe.train.lr == 1e-4 and recipe.stages.lm.distill_weight == 0.5
+    assert recipe.train.lora.target_modules == ["q_proj"] and recipe.model.convert.window == 32
+    with pytest.raises(NHARetrofitError, match="recipe key train.lrate: unknown key"):
+        load_recipe(path, ["train.lrate=1"])
+    with pytest.raises(NHARetrofitError, match="expected key.sub=value"):
+        load_recipe(path, ["train.lr"])
+    with pytest.raises(NHARetrofitError, match="model.path.x: model.path is not a section"):
+        load_recipe(path, ["model.path.x=1"])
+
+
+def test_placeholders_and_relative_paths(tmp_path):
+    import sysconfig
+
+    recipe = load_recipe(minimal(data={"files": ["{stdlib}/heapq.py", "{recipe_dir}/x.txt"]}))
+    assert recipe.data.files[0] == str(Path(sysconfig.get_paths()["stdlib"]) / "heapq.py")
+    with pytest.raises(NHARetrofitError, match="unknown placeholder"):
+        load_recipe(minimal(data={"files": ["{nowhere}/a.txt"]}))
+
+
+@pytest.fixture(scope="module")
+def tiny_world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    return write_tiny_original(root / "orig"), write_corpus(root / "data"), root
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_every_recipe_dry_runs(name, tiny_world):
+    """Every shipped recipe validates; model and data are replaced by a tiny local Llama and local files, since the
+    real ones (8B-30B weights, SlimPajama) are not on this machine."""
+    model, data, root = tiny_world
+    raw = yaml.safe_load((RECIPES / name).read_text())
+    overrides = [f"model.path={model}", "model.convert.full_layers=1", f"data.files=[{data}/*.txt]", "data.dataset=null",
+                 "data.seq_len=64", "data.eval_blocks=2", f"train.output_dir={root / name}"]
+    plan = finetune(RECIPES / name, overrides, dry_run=True, log=lambda *_: None)
+    assert plan["total_steps"] >= 1 and plan["trainable_parameters"] > 0
+    assert plan["total_tokens"] >= raw["stages"]["lm"]["tokens"]
+
+
+def test_demo_recipe_dry_runs_with_its_real_model(tmp_path, smollm2_nha):
+    """The demo recipe as shipped, on the embedded SmolLM2 (data limited to two stdlib files to stay fast)."""
+    plan = finetune(
+        RECIPES / "smollm2_demo.yaml",
+        ['data.files=["{stdlib}/this.py", "{stdlib}/bisect.py", "{stdlib}/shlex.py"]', f"train.output_dir={tmp_path / 'run'}"],
+        dry_run=True, log=lambda *_: None,
+    )
+    assert plan["full_layers"] == [3, 10, 18, 25] and plan["windows"] == [64]
+    assert plan["total_parameters"] > 134_000_000 and 0 < plan["trainable_parameters"] < plan["total_parameters"] / 3
+
+
+def test_dry_run_through_the_cli(tiny_world, tmp_path):
+    from typer.testing import CliRunner
+
+    from nha_retrofit.cli import app
+
+    model, data, _ = tiny_world
+    path = save_recipe(tiny_recipe(model, data, tmp_path / "run"), tmp_path / "r.yaml")
+    result = CliRunner().invoke(app, ["finetune", str(path), "--dry-run", "--set", "train.batch_size=4"])
+    assert result.exit_code == 0, result.output
+    assert '"tokens_per_step": 128' in result.output
+    result = CliRunner().invoke(app, ["finetune", str(path), "--dry-run", "--set", "train.lr=fast"])
+    assert result.exit_code == 1
+    assert "error: recipe key train.lr: expected a number" in result.output

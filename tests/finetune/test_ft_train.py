@@ -1,0 +1,222 @@
+"""The finetuning loop on tiny random models: stages, trainable sets, resume, export, bad input."""
+
+import errno
+import json
+
+import pytest
+import torch
+
+from ft_helpers import tiny_recipe, write_corpus, write_tiny_original
+from nha_retrofit.errors import NHARetrofitError
+from nha_retrofit.finetune import finetune, load_recipe
+from nha_retrofit.finetune.trainer import list_checkpoints
+
+quiet = dict(log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    return write_tiny_original(root / "orig"), write_corpus(root / "data")
+
+
+def losses(folder):
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["stage"], r["loss"]) for r in lines if "loss" in r]
+
+
+def state_dict(folder):
+    from nha_retrofit.eval.compare import load_nha_checkpoint
+
+    return load_nha_checkpoint(folder).state_dict()
+
+
+def test_attention_stage_trains_only_nha_attention_and_exports(world, tmp_path):
+    model, data = world
+    summary = finetune(tiny_recipe(model, data, tmp_path / "run"), **quiet)
+    assert summary["steps"] == 6 and summary["tokens"] == 384
+    stages = [s for _, s, _ in losses(tmp_path / "run")]
+    assert stages == ["attention_transfer"] * 2 + ["lm"] * 4
+    exported = tmp_path / "run" / "model"
+    record = json.loads((exported / "nha_conversion.json").read_text())
+    assert record["finetune"]["tokens"] == 384 and record["plan"]["windows"] == [4, None, 4, 4]
+    assert record["finetune"]["after"]["eval_ppl"] > 0 and record["source_path"] == str(model)
+    assert (exported / "modeling_nha.py").is_file() and (exported / "tokenizer.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    trained = state_dict(exported)
+    changed = {k for k in original if not torch.equal(original[k], trained[k])}
+    assert changed, "nothing was trained"
+    assert all(k.startswith(("model.layers.0.self_attn", "model.layers.2.", "model.layers.3.")) for k in changed)
+    assert all(".self_attn." in k and "layers.1." not in k for k in changed)  # FFN, norms, full layer 1 frozen
+    assert not list((tmp_path / "run").glob("**/.tmp-*"))
+
+
+def test_gates_only(world, tmp_path):
+    model, data = world
+    recipe = tiny_recipe(model, data, tmp_path / "run", train={"trainable": "gates"})
+    finetune(recipe, **quiet)
+    from nha_retrofit.finetune.model import load_model, resolve_source
+
+    start = load_model(resolve_source(load_recipe(recipe).model)).state_dict()
+    trained = state_dict(tmp_path / "run" / "model")
+    changed = {k for k in start if not torch.equal(start[k], trained[k])}
+    assert changed and all(k.endswith(("g_proj.weight", "slot_bias")) for k in changed)
+
+
+def test_lora_merges_into_plain_checkpoint(world, tmp_path):
+    model, data = world
+    recipe = tiny_recipe(model, data, tmp_path / "run", train={"trainable": "lora", "lr": 1e-2, "lora": {"r": 2}})
+    finetune(recipe, **quiet)
+    exported = tmp_path / "run" / "model"
+    trained = state_dict(exported)
+    assert not any("lora" in k for k in trained)
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    assert not torch.equal(original["model.layers.0.self_attn.q_proj.weight"], trained["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(original["model.layers.1.self_attn.q_proj.weight"], trained["model.layers.1.self_attn.q_proj.weight"])
+    loaded = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    out = loaded.generate(torch.tensor([[65, 66, 67]]), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_teacher_is_the_original_model(world):
+    """All windows full + adapters disabled reproduces the original logits, even with trained-looking LoRA weights."""
+    from transformers import AutoModelForCausalLM
+
+    from nha_retrofit.finetune.model import load_model, resolve_source, select_trainable
+    from nha_retrofit.finetune.stages import teacher_mode
+
+    model_path, data = world
+    recipe = tiny_recipe(model_path, data, "unused", train={"trainable": "lora"})
+    spec = load_recipe(recipe)
+    model = select_trainable(load_model(resolve_source(spec.model)), spec.train).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    ids = torch.randint(0, 256, (2, 40))
+    original = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    with torch.no_grad(), teacher_mode(model):
+        teacher = model(input_ids=ids, use_cache=False).logits
+    with torch.no_grad():
+        student = model(input_ids=ids, use_cache=False).logits
+        reference = original(input_ids=ids).logits
+    assert (teacher - reference).abs().max() < 1e-5
+    assert (student - reference).abs().max() > 1e-3
+    assert [m.window for m in model.modules() if hasattr(m, "g_proj")] == [4, None, 4, 4]
+
+
+def test_resume_reproduces_the_loss_curve(world, tmp_path):
+    model, data = world
+    full = tiny_recipe(model, data, tmp_path / "full", train={"checkpoint_every": 100})
+    finetune(full, **quiet)
+    part = tiny_recipe(model, data, tmp_path / "part", train={"checkpoint_every": 100, "stop_after_steps": 3})
+    result = finetune(part, **quiet)
+    assert result["stopped_at_step"] == 3 and len(losses(tmp_path / "part")) == 3
+    assert [p.name for p in list_checkpoints(tmp_path / "part" / "checkpoints")] == ["step-00000003"]
+    part["train"]["stop_after_steps"] = None
+    with pytest.raises(NHARetrofitError, match="pass --resume to continue it or --overwrite"):
+        finetune(part, **quiet)
+    finetune(part, resume=True, **quiet)
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert [x[:2] for x in a] == [x[:2] for x in b]
+    assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) <= 1e-6
+    assert torch.equal(state_dict(tmp_path / "full" / "model")["model.layers.0.self_attn.g_proj.weight"],
+                       state_dict(tmp_path / "part" / "model")["model.layers.0.self_attn.g_proj.weight"])
+
+
+def test_resume_without_checkpoint(world, tmp_path):
+    model, data = world
+    with pytest.raises(NHARetrofitError, match="--resume: no checkpoint in"):
+        finetune(tiny_recipe(model, data, tmp_path / "run"), resume=True, **quiet)
+
+
+def test_non_finite_loss_stops_after_saving_the_last_good_state(world, tmp_path, monkeypatch):
+    from nha_retrofit.finetune import stages
+
+    model, data = world
+    real = stages.lm_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), metrics) if calls["n"] == 2 else (loss, metrics)
+
+    monkeypatch.setattr(stages, "lm_loss", poisoned)
+    recipe = tiny_recipe(model, data, tmp_path / "run", train={"checkpoint_every": 100})
+    with pytest.raises(NHARetrofitError, match=r"non-finite loss at step 4 \(lm\); stopped. The last good state \(step 3\)"):
+        finetune(recipe, **quiet)
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000003"]
+    monkeypatch.setattr(stages, "lm_loss", real)
+    summary = finetune(recipe, resume=True, **quiet)
+    assert summary["steps"] == 6
+
+
+def test_full_disk_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    model, data = world
+    real = Accelerator.save_state
+    calls = {"n": 0}
+
+    def failing(self, output_dir=None, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            (tmp_path / "run" / "checkpoints" / ".tmp-step-00000004").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "run" / "checkpoints" / ".tmp-step-00000004" / "model.safetensors").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", failing)
+    recipe = tiny_recipe(model, data, tmp_path / "run")
+    with pytest.raises(NHARetrofitError, match=r"cannot save checkpoint .*step-00000004: No space left on device; "
+                                                r"the previous checkpoint .*step-00000002 is intact"):
+        finetune(recipe, **quiet)
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    assert finetune(recipe, resume=True, **quiet)["steps"] == 6
+
+
+@pytest.mark.parametrize(
+    "data_override, message",
+    [
+        ({"files": ["{recipe_dir}/missing.txt"]}, "recipe key data.files: .*missing.txt not found"),
+        ({"files": ["/nonexistent/*.txt"]}, "recipe key data.files: /nonexistent/\\*.txt matches no files"),
+        ({"seq_len": 4096}, "recipe key data.seq_len: 4096 exceeds the model's max_position_embeddings 128"),
+        ({"eval_blocks": 100000}, "the dataset is too small"),
+    ],
+)
+def test_bad_data(world, tmp_path, data_override, message):
+    model, data = world
+    with pytest.raises(NHARetrofitError, match=message):
+        finetune(tiny_recipe(model, data, tmp_path / "run", data=data_override), **quiet)
+
+
+def test_empty_dataset(world, tmp_path):
+    model, _ = world
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("   \n\n")
+    (empty / "b.txt").write_text("")
+    with pytest.raises(NHARetrofitError, match=r"the dataset is empty: 2 file\(s\) hold no text"):
+        finetune(tiny_recipe(model, empty, tmp_path / "run"), dry_run=True, **quiet)
+
+
+def test_converted_checkpoint_as_input(world, tmp_path):
+    from nha_retrofit.convert import convert
+
+    model, data = world
+    converted = convert(str(model), tmp_path / "nha", full_layers=1, window=4, slots=4, log=lambda *_: None)
+    recipe = tiny_recipe(converted, data, tmp_path / "run")
+    with pytest.raises(NHARetrofitError, match="recipe key model.convert: .* is already converted"):
+        finetune(recipe, dry_run=True, **quiet)
+    del recipe["model"]["convert"]
+    recipe["stages"] = {"lm": {"tokens": 64}}
+    summary = finetune(recipe, **quiet)
+    record = json.loads((tmp_path / "run" / "model" / "nha_conversion.json").read_text())
+    assert record["source_path"] == str(model) and record["finetune"]["steps"] == summary["steps"] == 1
