@@ -1,7 +1,8 @@
 """Memory-lean conversion of a real-size checkpoint: wall time and peak RSS of `nha-retrofit convert`.
 
 Builds a checkpoint with the shapes of Meta-Llama-3-8B (random bf16 weights, the Hub's 4-shard layout and
-index), then runs the CLI in a child process and reads its peak RSS from the kernel (getrusage of children).
+index), then runs the CLI in a child process that reports its own peak RSS (VmHWM of its address space: unlike
+getrusage's maxrss, it is not inherited from the parent across fork and exec).
 Usage: python benchmarks/convert_large.py [--workdir /tmp/nha-bench] [--keep]
 Writes benchmarks/results/convert_<name>.json.
 """
@@ -10,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -85,11 +85,19 @@ def main():
         write_checkpoint(source, LLAMA3_8B)
         print(f"wrote the source checkpoint in {time.perf_counter() - start:.0f} s")
     shutil.rmtree(output, ignore_errors=True)
-    cli = [sys.executable, "-m", "nha_retrofit.cli", "convert", str(source), "--full-layers", "4", "-o", str(output)]
+    child = (
+        "import sys; from nha_retrofit.cli import app\n"
+        "try:\n    app(sys.argv[1:], prog_name='nha-retrofit')\n"
+        "except SystemExit as done:\n    assert not done.code, done.code\n"
+        "peak = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+        "print('PEAK_KB', peak)"
+    )
+    cli = ["convert", str(source), "--full-layers", "4", "-o", str(output)]
     start = time.perf_counter()
-    subprocess.run(cli, check=True)
+    run = subprocess.run([sys.executable, "-c", child, *cli], check=True, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    peak_rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
+    print(run.stdout)
+    peak_rss_gb = int(run.stdout.split("PEAK_KB")[-1].split()[0]) * 1024 / 1e9
     size_gb = sum(p.stat().st_size for p in output.glob("*.safetensors")) / 1e9
     result = {
         "model": "Meta-Llama-3-8B shapes, random bf16, 4 Hub shards", "plan": "4 full layers, w=64, M=64",
