@@ -5,7 +5,7 @@ Two sources, one interface (`next_blocks(n)`, `state_dict()`, `load_state_dict()
   JSON lines and parquet (one row = one document, `data.text_field`). Documents are tokenized once, shuffled
   with `data.seed`, joined with EOS separators; the end of that stream is the held-out split, the rest is cut into
   blocks that are visited in a fresh seeded permutation every epoch. The position is a block counter.
-- a Hub dataset (`data.dataset`), streamed through `datasets` with a seeded shuffle buffer: the first
+- a Hub dataset (`data.dataset`: a Hub id, or a local dataset folder), streamed through `datasets` with a seeded shuffle buffer: the first
   `eval_blocks` blocks are held out, training continues from there. The position is (epoch, documents read,
   tokens carried over), and resuming skips the documents already read.
 JSON lines and parquet go through `datasets` when it is installed (plain `json` otherwise: parquet needs it).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -255,8 +254,6 @@ class StreamedBlocks:
 
 
 def load_blocks(spec: DataSection, tokenizer):
-    if spec.dataset:
-        if os.path.exists(spec.dataset):
-            raise NHARetrofitError(f"recipe key data.dataset: {spec.dataset} is a local path; use data.files for it")
+    if spec.dataset:  # a Hub id, or a local dataset folder: streamed either way
         return StreamedBlocks(spec, tokenizer)
     return LocalBlocks(spec, tokenizer)

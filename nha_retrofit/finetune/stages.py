@@ -56,12 +56,15 @@ def attention_transfer_mode(model):
             m.attention_transfer, m.transfer_loss = False, None
 
 
-def attention_transfer_loss(model, unwrapped, input_ids) -> tuple[torch.Tensor, dict]:
-    """Mean over NHA layers of the per-layer output MSE; the LM head runs on one position only."""
-    with attention_transfer_mode(unwrapped) as modules:
-        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
-        losses = [m.transfer_loss for m in modules if m.transfer_loss is not None]
-    loss = torch.stack(losses).mean()
+def attention_transfer_loss(model, modules, input_ids) -> tuple[torch.Tensor, dict]:
+    """Mean over NHA layers of the per-layer output MSE; the LM head runs on one position only. Call it (and the
+    backward) inside `attention_transfer_mode`, so that gradient checkpointing recomputes the same graph."""
+    for m in modules:
+        m.transfer_loss = None
+    model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    loss = torch.stack([m.transfer_loss for m in modules if m.transfer_loss is not None]).mean()
+    for m in modules:
+        m.transfer_loss = None
     return loss, {"transfer": loss.item()}
 
 

@@ -310,21 +310,23 @@ class Run:
             data_at_start = data.state_dict()
             self.model.train()
             totals: dict = {}
-            for _ in range(r.train.grad_accum):
-                blocks = data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(acc.device)
-                with acc.autocast():
-                    if stage == "attention_transfer":
-                        loss, metrics = stages.attention_transfer_loss(self.model, self.unwrapped, blocks)
-                    else:
-                        loss, metrics = stages.lm_loss(self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
-                                                       distill_weight=lm.distill_weight, temperature=lm.temperature)
-                if not self._all_finite(loss.item()):
-                    data.load_state_dict(data_at_start)
-                    self._stop_non_finite(run, stage, "loss", last_saved)
-                acc.backward(loss / r.train.grad_accum)
-                metrics["loss"] = loss.item()
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value / r.train.grad_accum
+            transfer = stage == "attention_transfer"
+            with stages.attention_transfer_mode(self.unwrapped) if transfer else contextlib.nullcontext() as modules:
+                for _ in range(r.train.grad_accum):
+                    blocks = data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(acc.device)
+                    with acc.autocast():
+                        if transfer:
+                            loss, metrics = stages.attention_transfer_loss(self.model, modules, blocks)
+                        else:
+                            loss, metrics = stages.lm_loss(self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
+                                                           distill_weight=lm.distill_weight, temperature=lm.temperature)
+                    if not self._all_finite(loss.item()):
+                        data.load_state_dict(data_at_start)
+                        self._stop_non_finite(run, stage, "loss", last_saved)
+                    acc.backward(loss / r.train.grad_accum)
+                    metrics["loss"] = loss.item()
+                    for key, value in metrics.items():
+                        totals[key] = totals.get(key, 0.0) + value / r.train.grad_accum
             grad_norm = None
             if r.train.max_grad_norm > 0:
                 grad_norm = acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
@@ -411,6 +413,24 @@ class Run:
         return final
 
 
+def quality_table(summary: dict) -> str:
+    """Held-out perplexity before and after finetuning, against the original (markdown)."""
+    before, after = summary.get("before", {}), summary.get("after", {})
+    rows = [("held-out blocks (training distribution)", before.get("original_eval_ppl"), before.get("eval_ppl"),
+             after.get("eval_ppl"))]
+    for key in sorted(before):
+        if key.endswith("_original_ppl"):
+            name = key[: -len("_original_ppl")]
+            rows.append((name, before[key], before.get(f"{name}_ppl"), after.get(f"{name}_ppl")))
+    lines = [f"\nheld-out perplexity after {summary.get('tokens', 0):,} tokens, {summary.get('wall_time_s', 0):.0f} s "
+             f"({summary.get('machine', '')})",
+             "| text | original | converted, before | after | after / original |", "|---|---|---|---|---|"]
+    for name, original, first, last in rows:
+        if original and first and last:
+            lines.append(f"| {name} | {original:.2f} | {first:.2f} | {last:.2f} | {last / original:.3f} |")
+    return "\n".join(lines)
+
+
 def finetune(recipe, overrides=(), *, resume=False, dry_run=False, overwrite=False, log=print):
     """Run a finetuning recipe (a YAML path, a dict, or a Recipe). Returns the dry-run plan, or a summary dict
     with the exported folder. Resumes from the last checkpoint with `resume=True`."""
@@ -431,6 +451,7 @@ def finetune(recipe, overrides=(), *, resume=False, dry_run=False, overwrite=Fal
         summary["export"] = str(folder)
         export_merged(run, folder, summary)
     if run.acc.is_main_process:
+        log(quality_table(summary))
         (Path(recipe.train.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     run.acc.wait_for_everyone()
     return summary

@@ -53,9 +53,10 @@ def test_attention_stage_trains_only_nha_attention_and_exports(world, tmp_path):
     assert not list((tmp_path / "run").glob("**/.tmp-*"))
 
 
-def test_gates_only(world, tmp_path):
+def test_gates_only_with_checkpointing_and_bf16(world, tmp_path):
     model, data = world
-    recipe = tiny_recipe(model, data, tmp_path / "run", train={"trainable": "gates"})
+    recipe = tiny_recipe(model, data, tmp_path / "run",
+                         train={"trainable": "gates", "gradient_checkpointing": True, "precision": "bf16"})
     finetune(recipe, **quiet)
     from nha_retrofit.finetune.model import load_model, resolve_source
 

@@ -1,0 +1,86 @@
+"""Data: local text / JSON lines / parquet, packing with EOS separators, held-out split, exact resumable position,
+and the streamed path (a local dataset folder streamed through `datasets`)."""
+
+import json
+
+import pytest
+import torch
+
+from ft_helpers import EOS, byte_tokenizer
+from nha_retrofit.errors import NHARetrofitError
+from nha_retrofit.finetune.data import LocalBlocks, StreamedBlocks, load_blocks
+from nha_retrofit.finetune.recipe import DataSection
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def test_text_jsonl_parquet_packed_with_separators(tmp_path, tokenizer):
+    pytest.importorskip("datasets")
+    import pandas as pd
+
+    (tmp_path / "a.txt").write_text("hello world " * 20)
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"content": f"row {i} " * 10}) for i in range(5)))
+    pd.DataFrame({"content": ["parquet text " * 15, "more " * 30]}).to_parquet(tmp_path / "c.parquet")
+    spec = DataSection(files=[str(tmp_path / "*")], text_field="content", seq_len=16, eval_blocks=2)
+    data = LocalBlocks(spec, tokenizer)
+    assert data.documents == 8
+    chars = 240 + sum(len(f"row {i} " * 10) for i in range(5)) + 195 + 150
+    assert data.total_tokens == chars + 8  # bytes + one EOS per document
+    assert data.eval_blocks.shape == (2, 16) and int((data.train == EOS).sum()) + int((data.eval_blocks == EOS).sum()) <= 8
+    first = data.next_blocks(3)
+    assert first.shape == (3, 16) and first.dtype == torch.long
+
+
+def test_missing_text_field(tmp_path, tokenizer):
+    pytest.importorskip("datasets")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(NHARetrofitError, match=r"data.text_field: 'text' is not a column .*columns: body"):
+        LocalBlocks(DataSection(files=[str(tmp_path / "b.jsonl")], seq_len=4, eval_blocks=0), tokenizer)
+
+
+def test_exclude_and_deterministic_resume(tmp_path, tokenizer):
+    for i in range(5):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " * 40)
+    spec = DataSection(files=[str(tmp_path / "*.txt")], exclude=[str(tmp_path / "4.txt")], seq_len=8, eval_blocks=3)
+    a = LocalBlocks(spec, tokenizer)
+    assert len(a.files) == 4 and all(f.name != "4.txt" for f in a.files)
+    epoch = a.train.shape[0]
+    blocks = [a.next_blocks(5) for _ in range(epoch // 5 + 3)]  # crosses into a second epoch (new permutation)
+    b = LocalBlocks(spec, tokenizer)
+    b.next_blocks(10)
+    state = b.state_dict()
+    c = LocalBlocks(spec, tokenizer)
+    c.load_state_dict(state)
+    assert torch.equal(torch.cat(blocks)[10:], torch.cat([c.next_blocks(5) for _ in range(len(blocks) - 2)]))
+    assert torch.equal(a.eval_blocks, c.eval_blocks)
+
+
+def test_streamed_dataset_folder_resumes_exactly(tmp_path, tokenizer):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("\n".join(json.dumps({"text": f"stream doc {i} " * (i % 5 + 1)}) for i in range(60)))
+    spec = DataSection(dataset=str(folder), seq_len=16, eval_blocks=2, shuffle_buffer=8)
+    a = load_blocks(spec, tokenizer)
+    assert isinstance(a, StreamedBlocks) and a.eval_blocks.shape == (2, 16)
+    expected = [a.next_blocks(3) for _ in range(12)]  # more than one pass: epochs restart the stream
+    b = StreamedBlocks(spec, tokenizer)
+    b.next_blocks(3)
+    b.next_blocks(3)
+    c = StreamedBlocks(spec, tokenizer)
+    c.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    assert torch.equal(torch.cat(expected[2:]), torch.cat([c.next_blocks(3) for _ in range(10)]))
+    assert torch.equal(a.eval_blocks, c.eval_blocks)
+
+
+def test_unknown_dataset_is_one_line(tokenizer, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # read at import: patch the constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(NHARetrofitError, match="cannot open dataset 'nobody/no-such-dataset'"):
+        StreamedBlocks(DataSection(dataset="nobody/no-such-dataset", seq_len=8), tokenizer)
