@@ -184,6 +184,10 @@ class Run:
             if not is_tensorboard_available():
                 raise NHARetrofitError("recipe key train.tensorboard: install tensorboard (pip install tensorboard)")
             log_with = "tensorboard"
+        with contextlib.suppress(AttributeError):  # a second run in one process may change the precision
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()  # keeps PartialState (the process group)
         acc = Accelerator(mixed_precision=_precision(r.train.precision), kwargs_handlers=handlers, log_with=log_with,
                           project_dir=str(self.out))
         self.acc = acc
