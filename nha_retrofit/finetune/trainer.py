@@ -240,7 +240,19 @@ class Run:
         acc.wait_for_everyone()
 
         if last is not None:
-            acc.load_state(str(last), strict=False)
+            from accelerate.utils import DistributedType
+
+            # plain and DDP checkpoints hold only the trainable weights; FSDP / DeepSpeed write their own layouts
+            sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+            acc.load_state(str(last), **({} if sharded else {"strict": False}))
+            saved = run.summary.get("plan", {})
+            for key in ("tokens_per_step", "attention_transfer_steps"):
+                if key in saved and saved[key] != plan[key]:
+                    raise NHARetrofitError(
+                        f"--resume: the run in {self.out} was started with {key} {saved[key]}, the recipe now gives "
+                        f"{plan[key]} (batch size, accumulation, processes, seq_len or stage tokens changed)"
+                    )
+            run.summary["plan"] = plan
             self._truncate_metrics(run.step)
             if acc.is_main_process:
                 self.log(f"resumed from {last} (step {run.step}, {run.tokens:,} tokens)")

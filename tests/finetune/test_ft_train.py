@@ -221,3 +221,12 @@ def test_converted_checkpoint_as_input(world, tmp_path):
     summary = finetune(recipe, **quiet)
     record = json.loads((tmp_path / "run" / "model" / "nha_conversion.json").read_text())
     assert record["source_path"] == str(model) and record["finetune"]["steps"] == summary["steps"] == 1
+
+
+def test_resume_refuses_a_changed_batch(world, tmp_path):
+    model, data = world
+    recipe = tiny_recipe(model, data, tmp_path / "run", train={"stop_after_steps": 1})
+    finetune(recipe, **quiet)
+    recipe["train"].update(stop_after_steps=None, batch_size=1)
+    with pytest.raises(NHARetrofitError, match="--resume: the run in .* was started with tokens_per_step 64, the recipe now gives 32"):
+        finetune(recipe, resume=True, **quiet)
