@@ -119,6 +119,7 @@ class EvalSection:
     heldout_texts: list[str] = field(default_factory=list)  # nha_retrofit.eval texts: python-stdlib, shakespeare
     heldout_max_tokens: int = 8192
     heldout_chunk_len: int = 1024
+    before: bool = True  # also score the held-out texts before training (original and converted)
 
 
 @dataclass

@@ -189,6 +189,7 @@ class Run:
 
             AcceleratorState._reset_state()  # keeps PartialState (the process group)
         acc = Accelerator(mixed_precision=_precision(r.train.precision), kwargs_handlers=handlers, log_with=log_with,
+                          gradient_accumulation_steps=r.train.grad_accum,
                           project_dir=str(self.out))
         self.acc = acc
         plan = self.plan(acc.num_processes)
@@ -215,6 +216,10 @@ class Run:
             optimizer = torch.optim.SGD(params, lr=1.0, momentum=r.train.betas[0], weight_decay=r.train.weight_decay)
         schedule = lr_lambda(r, self.transfer_steps, self.lm_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        if acc.state.deepspeed_plugin is not None:  # no dataloader is prepared: tell DeepSpeed the batch geometry
+            ds_config = acc.state.deepspeed_plugin.deepspeed_config
+            ds_config["train_micro_batch_size_per_gpu"] = r.train.batch_size
+            ds_config["gradient_clipping"] = r.train.max_grad_norm
         model, optimizer = acc.prepare(model, optimizer)
         unwrapped = acc.unwrap_model(model)
         run = RunState(data)
@@ -259,7 +264,7 @@ class Run:
         else:
             run.summary = {"machine": machine_description(), "plan": plan, "trainable_parameters": trainable,
                            "total_parameters": total, "data": data.describe()}
-            run.summary["before"] = self._evaluate(data, heldout=True, original=True)
+            run.summary["before"] = self._evaluate(data, heldout=r.eval.before, original=True)
         if r.train.tensorboard:
             acc.init_trackers("finetune")
         self._loop(data, run)
@@ -327,33 +332,38 @@ class Run:
             self.model.train()
             totals: dict = {}
             transfer = stage == "attention_transfer"
-            with stages.attention_transfer_mode(self.unwrapped) if transfer else contextlib.nullcontext() as modules:
-                for _ in range(r.train.grad_accum):
-                    blocks = data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(acc.device)
-                    with acc.autocast():
-                        if transfer:
-                            loss, metrics = stages.attention_transfer_loss(self.model, modules, blocks)
-                        else:
-                            loss, metrics = stages.lm_loss(self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
-                                                           distill_weight=lm.distill_weight, temperature=lm.temperature)
-                    if not self._all_finite(loss.item()):
-                        data.load_state_dict(data_at_start)
-                        self._stop_non_finite(run, stage, "loss", last_saved)
-                    acc.backward(loss / r.train.grad_accum)
-                    metrics["loss"] = loss.item()
-                    for key, value in metrics.items():
-                        totals[key] = totals.get(key, 0.0) + value / r.train.grad_accum
             grad_norm = None
-            if r.train.max_grad_norm > 0:
-                grad_norm = acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                                r.train.max_grad_norm)
-                grad_norm = float(grad_norm) if grad_norm is not None else None
-                if grad_norm is not None and not self._all_finite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    data.load_state_dict(data_at_start)
-                    self._stop_non_finite(run, stage, "gradient norm", last_saved)
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            acc.step = 0  # accelerate's micro-step counter: sync on this step's last micro-step, whatever happened before
+            with stages.attention_transfer_mode(self.unwrapped) if transfer else contextlib.nullcontext() as modules:
+                for _ in range(r.train.grad_accum):  # accelerate's accumulation: no_sync, loss scaling, DeepSpeed
+                    blocks = data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(acc.device)
+                    with acc.accumulate(self.model):
+                        with acc.autocast():
+                            if transfer:
+                                loss, metrics = stages.attention_transfer_loss(self.model, modules, blocks)
+                            else:
+                                loss, metrics = stages.lm_loss(
+                                    self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
+                                    distill_weight=lm.distill_weight, temperature=lm.temperature,
+                                )
+                        if not self._all_finite(loss.item()):
+                            data.load_state_dict(data_at_start)
+                            self._stop_non_finite(run, stage, "loss", last_saved)
+                        acc.backward(loss)
+                        metrics["loss"] = loss.item()
+                        for key, value in metrics.items():
+                            totals[key] = totals.get(key, 0.0) + value / r.train.grad_accum
+                        if acc.sync_gradients and r.train.max_grad_norm > 0:
+                            norm = acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                       r.train.max_grad_norm)
+                            grad_norm = float(norm) if norm is not None else None
+                            if grad_norm is not None and not self._all_finite(grad_norm):
+                                data.load_state_dict(data_at_start)
+                                self._stop_non_finite(run, stage, "gradient norm", last_saved)
+                        if acc.sync_gradients:
+                            lr = self.scheduler.get_last_lr()[0]
+                        self.optimizer.step()  # a no-op until the last micro-step
+                        self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             run.step += 1

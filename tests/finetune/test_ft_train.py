@@ -230,3 +230,12 @@ def test_resume_refuses_a_changed_batch(world, tmp_path):
     recipe["train"].update(stop_after_steps=None, batch_size=1)
     with pytest.raises(NHARetrofitError, match="--resume: the run in .* was started with tokens_per_step 64, the recipe now gives 32"):
         finetune(recipe, resume=True, **quiet)
+
+
+def test_gradient_accumulation_matches_a_larger_batch(world, tmp_path):
+    model, data = world
+    finetune(tiny_recipe(model, data, tmp_path / "big", train={"batch_size": 2}), **quiet)
+    finetune(tiny_recipe(model, data, tmp_path / "acc", train={"batch_size": 1, "grad_accum": 2}), **quiet)
+    a, b = losses(tmp_path / "big"), losses(tmp_path / "acc")
+    assert len(a) == len(b) == 6
+    assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 1e-5
