@@ -163,7 +163,7 @@ def test_failed_conversion_leaves_nothing_behind(tiny_llama_folder, tmp_path, mo
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(converter, "save_nha_checkpoint", broken)
+    monkeypatch.setattr(converter, "write_sharded", broken)
     with pytest.raises(RuntimeError):
         convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
