@@ -185,6 +185,9 @@ def parts(T=32768, w=64):
     delta = (do.float() * o32).sum(-1)
     out["window bwd (triton)"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
     out["slot bwd (torch+scan)"] = bench(lambda: slot_backward(p, do, lse, delta, D**-0.5))
+    from nha_retrofit.kernels.slot_bwd_tl import slot_backward_triton
+
+    out["slot bwd (triton, opt-in)"] = bench(lambda: slot_backward_triton(p, do, lse, delta, D**-0.5))
     for k, v in out.items():
         print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
     return out
@@ -199,6 +202,7 @@ def main():
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which fla_gsa is skipped")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
+    ap.add_argument("--triton-slot-bwd", action="store_true", help="opt-in Triton slot backward (slot_bwd_tl)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     skip = set(args.skip.split(",")) if args.skip else set()
@@ -216,6 +220,10 @@ def main():
         print(f"{impl:12s} T={T:6d} w={str(window):5s} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
         torch.cuda.empty_cache()
 
+    if args.triton_slot_bwd:
+        from nha_retrofit.kernels import chunk_fwd
+
+        chunk_fwd.CONFIG["triton_slot_backward"] = True
     t_start = time.time()
     if args.parts:
         for k, v in parts().items():

@@ -5,6 +5,7 @@ import torch
 from ..modeling.nha_state import NHAState
 from . import chunk_fwd
 from .slot_bwd import slot_backward
+from .slot_bwd_tl import slot_backward_triton
 from .window_bwd import window_backward
 
 
@@ -42,7 +43,8 @@ class _NHAFunction(torch.autograd.Function):
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
             dv = dv + dv_w
         if ctx.has_slots:
-            dq_s, dk_s, dv_s, dla, dbias = slot_backward(p, do, lse, delta, scale)
+            backward = slot_backward_triton if chunk_fwd.CONFIG.get("triton_slot_backward") else slot_backward
+            dq_s, dk_s, dv_s, dla, dbias = backward(p, do, lse, delta, scale)
             dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731
         return (

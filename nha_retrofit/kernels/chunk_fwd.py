@@ -105,7 +105,7 @@ def _fwd_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
-    STORE_F32: tl.constexpr, SPREC: tl.constexpr,
+    STORE_F32: tl.constexpr, SPREC: tl.constexpr, PV_F32: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -149,7 +149,10 @@ def _fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                          mask=jin[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+            if PV_F32:
+                acc = acc * alpha[:, None] + tl.dot(p, vv.to(tl.float32), input_precision=SPREC)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
             m_i = m_new
 
     if HAS_SLOTS:
@@ -201,7 +204,10 @@ def _fwd_kernel(
         wm = tl.where(causal, wm, 0.0)
         vj = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                      mask=jr[:, None], other=0.0)
-        acc += tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
+        if PV_F32:
+            acc += tl.dot(wm, vj.to(tl.float32), input_precision=SPREC)
+        else:
+            acc += tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
 
     ok = active & (l_i > 0)
     l_safe = tl.where(ok, l_i, 1.0)
@@ -252,7 +258,7 @@ class Prepared:
         self.nch = triton.cdiv(self.T, CS)
 
 
-def slot_states(x, log_alpha, mask, W, nch, prec, initial=None):
+def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=False):
     """Slot state before each stream chunk of CS tokens, and the final one: [B, H, nch + 1, M, DX] fp32.
 
     Two launches: every chunk's own update in parallel, then a short elementwise scan over chunks."""
@@ -271,10 +277,14 @@ def slot_states(x, log_alpha, mask, W, nch, prec, initial=None):
     _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
         out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
     )
-    return out
+    return (out, dec) if return_decay else out
 
 
-CONFIG = {"num_warps_64": 8, "num_warps_128": 8, "num_stages": 2, "slot_precision": "tf32x3"}
+CONFIG = {"num_warps_64": 8, "num_warps_128": 8, "num_stages": 2, "slot_precision": "tf32x3",
+          "triton_slot_backward": False,  # True: slot_bwd_tl (interpreter-checked only, see its docstring)
+          "training_pv_fp32": False}  # True: fp32 probabilities in the P.V products of a training forward, so
+# delta = rowsum(dO * O) in the backward carries less rounding (aimed at the slot_bias gradient; not yet run
+# on a GPU)
 # launch settings of the fused kernel and the precision of its slot-state products (see slot_precision)
 
 
@@ -307,7 +317,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=CQ, CSZ=CS, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP, STORE_F32=o32 is not None,
-        SPREC=slot_precision(p.prec),
+        SPREC=slot_precision(p.prec), PV_F32=o32 is not None and CONFIG.get("training_pv_fp32", False),
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     if want_f32 and o32 is None:

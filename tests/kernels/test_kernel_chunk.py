@@ -153,3 +153,14 @@ def test_prefill_in_two_parts_with_carried_state(window):
     assert rel(torch.cat([first, second], 1), ref) <= 5e-3
     if ref_state.slot_keys.norm() > 0:
         assert rel(state.slot_keys, ref_state.slot_keys) <= 5e-3
+
+
+@pytest.mark.parametrize("combo", [COMBOS[1], COMBOS[4], COMBOS[9], COMBOS[11]],
+                         ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:]))
+def test_opt_in_triton_slot_backward_and_fp32_pv(combo, monkeypatch):
+    """The opt-in paths (CONFIG["triton_slot_backward"], CONFIG["training_pv_fp32"]) under the same check.
+
+    Written after the session's device time ran out: checked with the Triton interpreter on CPU only."""
+    monkeypatch.setitem(chunk_fwd.CONFIG, "triton_slot_backward", True)
+    monkeypatch.setitem(chunk_fwd.CONFIG, "training_pv_fp32", True)
+    test_forward_backward_matches_float64_reference(combo)
