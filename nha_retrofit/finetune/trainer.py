@@ -222,6 +222,23 @@ class Run:
             ds_config["gradient_clipping"] = r.train.max_grad_norm
         model, optimizer = acc.prepare(model, optimizer)
         unwrapped = acc.unwrap_model(model)
+        from accelerate.utils import DistributedType
+
+        sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        # the teacher must stay the original: keep the original values of trained projections (before any resume)
+        self.teacher_exact = True
+        if not sharded:
+            kept = stages.snapshot_teacher(unwrapped)
+            if kept and acc.is_main_process:
+                self.log(f"teacher: original values of {kept:,} trained parameters kept beside them")
+        elif any(p.requires_grad and not stages.is_gate_parameter(n) and "lora_" not in n
+                 for n, p in unwrapped.named_parameters()):
+            self.teacher_exact = False
+            if r.stages.lm.tokens and r.stages.lm.distill_weight > 0:
+                raise NHARetrofitError(
+                    f"recipe key stages.lm.distill_weight: under FSDP / DeepSpeed the teacher (the original model) is "
+                    f"exact only with train.trainable: lora or gates, not {r.train.trainable}"
+                )
         run = RunState(data)
         acc.register_for_checkpointing(scheduler, run)
         trainable_names = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -245,10 +262,7 @@ class Run:
         acc.wait_for_everyone()
 
         if last is not None:
-            from accelerate.utils import DistributedType
-
             # plain and DDP checkpoints hold only the trainable weights; FSDP / DeepSpeed write their own layouts
-            sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
             acc.load_state(str(last), **({} if sharded else {"strict": False}))
             saved = run.summary.get("plan", {})
             for key in ("tokens_per_step", "attention_transfer_steps"):
@@ -293,7 +307,8 @@ class Run:
         e, result = self.recipe.eval, {}
         with self.acc.autocast():
             if data.eval_blocks.shape[0]:
-                result.update(stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size))
+                result.update(stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size,
+                                                     kl=self.teacher_exact))
                 result["eval_ppl"] = math.exp(result["eval_ce"])
                 if original:
                     teacher = stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size,

@@ -83,21 +83,24 @@ def test_lora_merges_into_plain_checkpoint(world, tmp_path):
     assert out.shape == (1, 7)
 
 
-def test_teacher_is_the_original_model(world):
-    """All windows full + adapters disabled reproduces the original logits, even with trained-looking LoRA weights."""
+@pytest.mark.parametrize("trainable", ["lora", "attention", "full"])
+def test_teacher_is_the_original_model(world, trainable):
+    """All windows full + adapters disabled + original values of trained weights swapped in reproduces the original
+    logits, however far training moved the weights."""
     from transformers import AutoModelForCausalLM
 
     from nha_retrofit.finetune.model import load_model, resolve_source, select_trainable
-    from nha_retrofit.finetune.stages import teacher_mode
+    from nha_retrofit.finetune.stages import snapshot_teacher, teacher_mode
 
     model_path, data = world
-    recipe = tiny_recipe(model_path, data, "unused", train={"trainable": "lora"})
-    spec = load_recipe(recipe)
+    spec = load_recipe(tiny_recipe(model_path, data, "unused", train={"trainable": trainable}))
     model = select_trainable(load_model(resolve_source(spec.model)), spec.train).eval()
+    kept = snapshot_teacher(model)
+    assert (kept == 0) == (trainable == "lora")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
+            if p.requires_grad and ("lora_B" in name or "q_proj" in name or "mlp" in name):
+                p.add_(torch.randn_like(p))
     ids = torch.randint(0, 256, (2, 40))
     original = AutoModelForCausalLM.from_pretrained(model_path).eval()
     with torch.no_grad(), teacher_mode(model):
@@ -108,6 +111,22 @@ def test_teacher_is_the_original_model(world):
     assert (teacher - reference).abs().max() < 1e-5
     assert (student - reference).abs().max() > 1e-3
     assert [m.window for m in model.modules() if hasattr(m, "g_proj")] == [4, None, 4, 4]
+
+
+def test_attention_transfer_trains_only_gates(world, tmp_path):
+    """Stage 1's target is the original layer output only if the projections stay frozen: only gates move."""
+    model, data = world
+    recipe = tiny_recipe(model, data, tmp_path / "run", stages={"lm": {"tokens": 0}})
+    finetune(recipe, **quiet)
+    from nha_retrofit.finetune.model import load_model, resolve_source
+
+    start = load_model(resolve_source(load_recipe(recipe).model)).state_dict()
+    trained = state_dict(tmp_path / "run" / "model")
+    changed = {k for k in start if not torch.equal(start[k], trained[k])}
+    assert changed and all(k.endswith(("g_proj.weight", "slot_bias")) for k in changed)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    transfer = [r["transfer"] for r in rows if "transfer" in r]
+    assert len(transfer) == 2 and all(t > 0 for t in transfer)
 
 
 def test_resume_reproduces_the_loss_curve(world, tmp_path):
