@@ -258,3 +258,14 @@ def test_gradient_accumulation_matches_a_larger_batch(world, tmp_path):
     a, b = losses(tmp_path / "big"), losses(tmp_path / "acc")
     assert len(a) == len(b) == 6
     assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 1e-5
+
+
+def test_tensorboard_needs_its_package(world, tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.utils import is_tensorboard_available
+
+    if is_tensorboard_available():
+        pytest.skip("tensorboard is installed")
+    model, data = world
+    with pytest.raises(NHARetrofitError, match="recipe key train.tensorboard: install tensorboard"):
+        finetune(tiny_recipe(model, data, tmp_path / "run", train={"tensorboard": True}), **quiet)
