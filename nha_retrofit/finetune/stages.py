@@ -1,4 +1,4 @@
-"""The two training stages' losses, and the teacher: the same model with every window full (adapters off).
+"""The two training stages' losses, and the teacher: the original model, recovered from the same weights.
 
 Stage 1, attention transfer: every NHA layer computes, in the same forward, the original full attention output of
 its own (frozen) projections and the MSE to its NHA output (`NHAAttentionMixin.attention_transfer`). Only the gates
