@@ -111,7 +111,9 @@ def plan(
 @user_errors
 def evaluate(
     checkpoint: Annotated[Path, typer.Argument(help="A folder written by `nha-retrofit convert`.")],
-    texts: Annotated[str, typer.Option(help="Comma-separated held-out texts.")] = "python-stdlib,python-docs,shakespeare",
+    texts: Annotated[str, typer.Option(help="Comma-separated held-out texts.")] = (
+        "python-stdlib,python-docs,shakespeare"
+    ),
     max_tokens: Annotated[int, typer.Option(help="Tokens of each text to score.")] = 8192,
     chunk_len: Annotated[int, typer.Option(help="Tokens per independent chunk.")] = 1024,
     prompt: Annotated[str, typer.Option(help="Prompt for a short greedy completion ('' to skip).")] = (

@@ -25,7 +25,10 @@ def load_nha_checkpoint(folder: Path, dtype=torch.float32):
     return families[model_type].from_pretrained(folder, dtype=dtype).eval()
 
 
-def compare_perplexity(folder, texts=("python-stdlib", "python-docs", "shakespeare"), *, max_tokens=8192, chunk_len=1024, log=print):
+DEFAULT_TEXTS = ("python-stdlib", "python-docs", "shakespeare")
+
+
+def compare_perplexity(folder, texts=DEFAULT_TEXTS, *, max_tokens=8192, chunk_len=1024, log=print):
     """Perplexity of the original model, the converted model as planned, and the converted model with every window
     full (which must equal the original: a visible check of the conversion). Returns {text: {variant: ppl}}."""
     folder = Path(folder)
