@@ -25,6 +25,7 @@ VARIANTS = {
     "demo": [],
     "no-transfer": ["stages.attention_transfer.tokens=0"],
     "ce": ["stages.lm.ce_weight=1.0", "stages.lm.distill_weight=0.0"],
+    "ce+distill": ["stages.lm.ce_weight=1.0", "stages.lm.distill_weight=1.0"],
     "lora": ["train.trainable=lora"],
 }
 
