@@ -22,10 +22,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
-    "demo": [],
+    "demo": [],  # transfer 20K tokens (gates), then CE + KL to the original, 66K tokens
     "no-transfer": ["stages.attention_transfer.tokens=0"],
+    "distill-only": ["stages.lm.ce_weight=0.0", "stages.lm.distill_weight=1.0"],
     "ce": ["stages.lm.ce_weight=1.0", "stages.lm.distill_weight=0.0"],
-    "ce+distill": ["stages.lm.ce_weight=1.0", "stages.lm.distill_weight=1.0"],
     "lora": ["train.trainable=lora"],
 }
 

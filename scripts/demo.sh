@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, on CPU: convert SmolLM2-135M (4 of 30 layers full, window 64, 64 slots),
-# then finetune it with recipes/smollm2_demo.yaml (attention transfer, then distillation from the original model on
+# then finetune it with recipes/smollm2_demo.yaml (attention transfer, then CE + distillation from the original on
 # Python standard-library code and Shakespeare, about 15 minutes on 2 cores), which reports held-out perplexity
 # (original / converted before / after, on texts excluded from training) and exports a merged self-contained
 # checkpoint; finally the exported model loads through transformers alone and generates.
