@@ -25,6 +25,9 @@ def atomic_folder(dest: Path, overwrite: bool = False):
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's private 0700 would otherwise become the output's mode
     except OSError as error:
         raise NHARetrofitError(f"cannot write to {dest.parent}: {error.strerror}") from None
     try:
