@@ -79,14 +79,13 @@ def main():
     worst = max(grad_errors, key=grad_errors.get)
     with torch.no_grad():
         prefill, prefill_s = timed(lambda: model(ids, use_cache=True))
-        cache = prefill.cache if hasattr(prefill, "cache") else prefill.past_key_values
+        cache = getattr(prefill, "cache", None) or prefill.past_key_values  # the name changed during 5.x
         token = ids[:, -1:]
         decode_times = []
         for _ in range(20):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model(token, cache=cache, use_cache=True) if hasattr(prefill, "cache") else model(
-                token, past_key_values=cache, use_cache=True)
+            model(token, cache=cache, use_cache=True)  # NHA models take `cache=` on every 5.x
             torch.cuda.synchronize()
             decode_times.append(time.perf_counter() - start)
     result = {

@@ -8,6 +8,7 @@ the NHA operator. This file and its relative imports are copied verbatim into co
 are used when they import.
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -81,12 +82,11 @@ class NHAAttentionMixin:
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         padding_mask = kwargs.pop("nha_padding_mask", None)
         if self.window is None:  # a full layer: the original attention, positional args across transformers 5.x
-            if hidden_states.is_cuda and hidden_states.shape[1] == 1:
-                # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200
-                # (torch 2.11). Decode steps use the other SDPA backends.
-                with sdpa_kernel(_DECODE_SDPA_BACKENDS):
-                    return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
-            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+            # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200 (torch 2.11).
+            # Decode steps use the other SDPA backends.
+            decoding_on_gpu = hidden_states.is_cuda and hidden_states.shape[1] == 1
+            with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding_on_gpu else contextlib.nullcontext():
+                return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
         batch, length = hidden_states.shape[:2]
         q, k, v = self.project_qkv(hidden_states)

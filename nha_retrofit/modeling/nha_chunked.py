@@ -204,16 +204,12 @@ def _band_logits(queries, keys, values, mask, band, chunk_size, scale):
 
 def _joint_softmax(slot_logits, window_logits, total, chunk_size):
     """One softmax over slots and window; rows with nothing visible (padding queries) give all zeros."""
-    if window_logits is None:
-        rowmax = slot_logits.amax(-1, keepdim=True).detach()
-        rowmax = rowmax.masked_fill(~torch.isfinite(rowmax), 0)
-        exp_slots = (slot_logits - rowmax).exp()
-        norm = exp_slots.sum(-1, keepdim=True)
-        return exp_slots / torch.where(norm > 0, norm, torch.ones_like(norm)), None
-    slot_logits = _to_chunks(slot_logits, 2, chunk_size)  # [B, H, n, C, G, M]
-    rowmax = torch.maximum(slot_logits.amax(-1, keepdim=True), window_logits.amax(-1, keepdim=True)).detach()
+    parts = [slot_logits] if window_logits is None else [_to_chunks(slot_logits, 2, chunk_size), window_logits]
+    rowmax = torch.stack([p.amax(-1, keepdim=True) for p in parts]).amax(0).detach()
     rowmax = rowmax.masked_fill(~torch.isfinite(rowmax), 0)
-    exp_slots, exp_window = (slot_logits - rowmax).exp(), (window_logits - rowmax).exp()
-    norm = exp_slots.sum(-1, keepdim=True) + exp_window.sum(-1, keepdim=True)
-    norm = torch.where(norm > 0, norm, torch.ones_like(norm))
-    return (exp_slots / norm).flatten(2, 3)[:, :, :total], exp_window / norm
+    exps = [(p - rowmax).exp() for p in parts]
+    norm = sum(e.sum(-1, keepdim=True) for e in exps)
+    probs = [e / torch.where(norm > 0, norm, torch.ones_like(norm)) for e in exps]
+    if window_logits is None:
+        return probs[0], None
+    return probs[0].flatten(2, 3)[:, :, :total], probs[1]
