@@ -67,6 +67,8 @@ def main(argv=None):
             "recipe": str(Path(args.recipe).relative_to(ROOT)) if Path(args.recipe).is_relative_to(ROOT) else args.recipe,
             "overrides": [*VARIANTS[variant], *args.set],
             "machine": summary["machine"],
+            "nha_operator": "triton" if torch.cuda.is_available() and os.environ.get("NHA_RETROFIT_KERNELS", "1") != "0"
+            else "pytorch",
             "tokens": summary["tokens"],
             "steps": summary["steps"],
             "train_wall_time_s": summary["wall_time_s"],

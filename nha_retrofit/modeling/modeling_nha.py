@@ -10,6 +10,7 @@ are used when they import.
 
 import contextlib
 import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +34,10 @@ except ImportError:
 
 
 def nha_operator(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias, state, output_state):
-    """Pick the implementation: Triton on CUDA when available, plain PyTorch otherwise; one-token steps with a
-    carried state take the recurrent form. Returns (o, new state or None)."""
-    use_kernels = KERNELS_AVAILABLE and q.is_cuda
+    """Pick the implementation: Triton on CUDA when available (unless NHA_RETROFIT_KERNELS=0 asks for the plain
+    PyTorch forms, e.g. to rule the kernels out), plain PyTorch otherwise; one-token steps with a carried state take
+    the recurrent form. Returns (o, new state or None)."""
+    use_kernels = KERNELS_AVAILABLE and q.is_cuda and os.environ.get("NHA_RETROFIT_KERNELS", "1") != "0"
     args = (q, k, v, q_rope, k_rope, log_alpha, window, scale)
     if state is not None and q.shape[1] == 1:
         step = nha_recurrent_step_triton if use_kernels else nha_recurrent_step
