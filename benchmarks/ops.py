@@ -169,6 +169,7 @@ def parts(T=32768, w=64):
     """Time each stage of the NHA kernel path separately (forward stages, window backward, slot backward)."""
     from nha_retrofit.kernels import chunk_fwd
     from nha_retrofit.kernels.slot_bwd import slot_backward
+    from nha_retrofit.kernels.slot_bwd_tl import slot_backward_triton
     from nha_retrofit.kernels.window_bwd import window_backward
 
     x = nha_inputs(T, False)
@@ -185,12 +186,49 @@ def parts(T=32768, w=64):
     delta = (do.float() * o32).sum(-1)
     out["window bwd (triton)"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
     out["slot bwd (torch+scan)"] = bench(lambda: slot_backward(p, do, lse, delta, D**-0.5))
-    from nha_retrofit.kernels.slot_bwd_tl import slot_backward_triton
-
-    out["slot bwd (triton, opt-in)"] = bench(lambda: slot_backward_triton(p, do, lse, delta, D**-0.5))
+    out["slot bwd (triton)"] = bench(lambda: slot_backward_triton(p, do, lse, delta, D**-0.5))
     for k, v in out.items():
         print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
     return out
+
+
+VARIANTS = {  # CONFIG overrides of nha_retrofit.kernels.chunk_fwd (tests/kernels checks the same ones)
+    "defaults": {},
+    "fwd_v3": dict(fwd_split=False),
+    "fwd_tf32": dict(slot_precision="tf32"),
+    "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
+    "fwd_block8": dict(fwd_block=8),
+    "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
+    "fwd_tf32_pv_fp32": dict(slot_precision="tf32", training_pv_fp32=True),
+    "bwd_tf32": dict(slot_bwd_precision="tf32"),
+    "torch_slot_bwd": dict(slot_backward="torch"),
+}
+
+
+def variants(lengths, names, w=64):
+    """Time each CONFIG variant (forward and forward+backward) side by side; returns records."""
+    from nha_retrofit.kernels import chunk_fwd
+
+    base = dict(chunk_fwd.CONFIG)
+    records = []
+    for T in lengths:
+        for name in names:
+            chunk_fwd.CONFIG.clear()
+            chunk_fwd.CONFIG.update(base, **VARIANTS[name])
+            for mode in ("fwd", "fwd+bwd"):
+                if name == "torch_slot_bwd" and mode == "fwd":
+                    continue
+                try:
+                    ms = run_nha(T, w, mode)
+                except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
+                    print(f"variant {name} T={T} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    ms = None
+                records.append(dict(impl="variant: " + name, T=T, window=w, mode=mode, ms=ms))
+                print(f"variant {name:18s} T={T:6d} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
+                torch.cuda.empty_cache()
+    chunk_fwd.CONFIG.clear()
+    chunk_fwd.CONFIG.update(base)
+    return records
 
 
 def main():
@@ -202,10 +240,17 @@ def main():
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which fla_gsa is skipped")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
-    ap.add_argument("--triton-slot-bwd", action="store_true", help="opt-in Triton slot backward (slot_bwd_tl)")
+    ap.add_argument("--config", default="{}", help="JSON of chunk_fwd.CONFIG overrides for the whole run")
+    ap.add_argument("--variants", default="", help="comma list of VARIANTS names to time side by side (or 'all')")
+    ap.add_argument("--variant-lengths", default="8192,32768")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     skip = set(args.skip.split(",")) if args.skip else set()
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        print("fla not importable: fla_window and fla_gsa skipped", flush=True)
+        skip |= {"fla_window", "fla_gsa"}
     records = []
 
     def record(impl, T, window, mode, fn):
@@ -220,17 +265,17 @@ def main():
         print(f"{impl:12s} T={T:6d} w={str(window):5s} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
         torch.cuda.empty_cache()
 
-    if args.triton_slot_bwd:
-        from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels import chunk_fwd
 
-        chunk_fwd.CONFIG["triton_slot_backward"] = True
+    chunk_fwd.CONFIG.update(json.loads(args.config))
     t_start = time.time()
     if args.parts:
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
+    if args.variants:
+        names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+        records += variants([int(x) for x in args.variant_lengths.split(",")], names)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
-        from nha_retrofit.kernels import chunk_fwd
-
         best = None
         for warps in (4, 8):
             chunk_fwd.CONFIG["num_warps_64"] = warps
@@ -255,7 +300,7 @@ def main():
         records.append(dict(impl="nha_decode_28L_graph", T=None, window=64, mode="decode", ms=graphed))
         print(f"decode 28 layers: eager {eager:.3f} ms, graph replay {graphed:.3f} ms")
     # fla's GSA autotunes many kernels on first use (minutes): last, and only while time is left
-    for T in [t for t in lengths if str(t) in args.gsa_lengths.split(",")]:
+    for T in [t for t in lengths if str(t) in args.gsa_lengths.split(",") and "fla_gsa" not in skip]:
         for mode in ("fwd", "fwd+bwd"):
             if time.time() - t_start > args.deadline:
                 print(f"fla_gsa T={T} {mode}: skipped (deadline)")
@@ -284,6 +329,10 @@ def table(records, lengths, device):
     for T in lengths:
         cells = [f"{fmt(get.get((i, T, w, 'fwd+bwd')))} ({fmt(get.get((i, T, w, 'fwd')))})" for i, w in cols]
         lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    extra = [r for r in records if r["impl"].startswith(("part: ", "variant: "))]
+    if extra:
+        lines += ["", "Stages at T=32K, w=64 (part) and CONFIG variants, w=64:", ""]
+        lines += [f"- {r['impl']} T={r['T']} {r['mode']}: {fmt(r['ms'])} ms" for r in extra]
     dec = [r for r in records if r["mode"] == "decode"]
     if dec:
         lines += ["", "Decode step, 28 layers (Llama-3-8B attention shape), batch 1, w=64, M=64:", ""]

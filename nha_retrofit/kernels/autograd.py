@@ -43,7 +43,7 @@ class _NHAFunction(torch.autograd.Function):
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
             dv = dv + dv_w
         if ctx.has_slots:
-            backward = slot_backward_triton if chunk_fwd.CONFIG.get("triton_slot_backward") else slot_backward
+            backward = slot_backward if chunk_fwd.CONFIG["slot_backward"] == "torch" else slot_backward_triton
             dq_s, dk_s, dv_s, dla, dbias = backward(p, do, lse, delta, scale)
             dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731

@@ -98,6 +98,29 @@ def _state_scan_kernel(S, DEC, S0, NCH, M: tl.constexpr, DX: tl.constexpr, BM: t
 
 
 @triton.jit
+def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.constexpr):
+    """Per row (token t, one of its heads): the summed log gates of the stream positions from the query
+    block's start to t inclusive (rows are token-major: a cumsum over the rows that are a token's first
+    head gives it)."""
+    j = t - W
+    jv = first_head & (j >= 0) & (j < T - W)
+    jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
+    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + tl.arange(0, M)[None, :],
+                mask=jr[:, None], other=0.0).to(tl.float32)
+    return tl.cumsum(g, axis=0)
+
+
+@triton.jit
+def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, SPREC: tl.constexpr, PV_F32: tl.constexpr):
+    """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
+    acc += tl.dot(pc, tl.load(SVP + cols[None, :]), input_precision=SPREC)
+    vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
+    if PV_F32:
+        return acc + tl.dot(wm, vj.to(tl.float32), input_precision=SPREC)
+    return acc + tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE, O32,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
@@ -105,7 +128,7 @@ def _fwd_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
-    STORE_F32: tl.constexpr, SPREC: tl.constexpr, PV_F32: tl.constexpr,
+    STORE_F32: tl.constexpr, SPREC: tl.constexpr, PV_F32: tl.constexpr, SPLIT: tl.constexpr, BDS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -156,7 +179,6 @@ def _fwd_kernel(
             m_i = m_new
 
     if HAS_SLOTS:
-        q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
         c = t0 // CSZ
         cs0 = c * CSZ
         off = t0 - cs0
@@ -173,18 +195,33 @@ def _fwd_kernel(
         a = tl.cumsum(g, axis=0)  # [CS, M], from the chunk start, inclusive
         a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)  # decay before the query block
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
-        a_row = tl.dot(causal.to(tl.float32), g, input_precision="ieee")  # a at each row's position
         kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
-        e_in = tl.exp(a_row - a_ref[None, :])  # <= 1 for rows of this block
-        e_car = tl.exp(a_row)  # <= 1
-        kj = tl.load(K + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
-                     mask=jr[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(kj), input_precision=PREC)
+        st = pid_bh.to(tl.int64) * (NCH + 1) + c
+        krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+        if SPLIT:  # row decays by a cumsum over the rows, D in column passes of BDS: fewer live registers
+            a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
+            e_in = tl.exp(a_in)  # <= 1 for rows of this block
+            e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
+            offs_c = tl.arange(0, BDS)
+            qk = tl.zeros([BR, CSZ], dtype=tl.float32)
+            x_car = tl.zeros([BR, M], dtype=tl.float32)
+            for d0 in range(0, D, BDS):
+                qd = tl.load(Q + row_off[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+                kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+                skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+                qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
+                x_car += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
+        else:
+            q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
+            a_row = tl.dot(causal.to(tl.float32), g, input_precision="ieee")  # a at each row's position
+            e_in = tl.exp(a_row - a_ref[None, :])  # <= 1 for rows of this block
+            e_car = tl.exp(a_row)  # <= 1
+            kj = tl.load(K + krow[:, None] + offs_d[None, :], mask=jr[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(kj), input_precision=PREC)
+            sk = tl.load(SK + st * M * D + offs_m[:, None] * D + offs_d[None, :])
+            x_car = tl.dot(q.to(tl.float32), tl.trans(sk), input_precision=SPREC)
         qk = tl.where(causal, qk, 0.0)
         x_in = tl.dot(qk, kw, input_precision=SPREC)
-        st = pid_bh.to(tl.int64) * (NCH + 1) + c
-        sk = tl.load(SK + st * M * D + offs_m[:, None] * D + offs_d[None, :])
-        x_car = tl.dot(q.to(tl.float32), tl.trans(sk), input_precision=SPREC)
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
         logits = (x_in * e_in + x_car * e_car) * scale + bias[:, None]
         first = tl.load(FIRST + b)
@@ -198,16 +235,18 @@ def _fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         m_i = m_new
-        sv = tl.load(SV + st * M * DV + offs_m[:, None] * DV + offs_dv[None, :])
-        acc += tl.dot(p * e_car, sv, input_precision=SPREC)
-        wm = tl.dot(p * e_in, tl.trans(kw), input_precision=SPREC)
-        wm = tl.where(causal, wm, 0.0)
-        vj = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
-                     mask=jr[:, None], other=0.0)
-        if PV_F32:
-            acc += tl.dot(wm, vj.to(tl.float32), input_precision=SPREC)
+        pc = p * e_car
+        wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+        svp = SV + st * M * DV + offs_m[:, None] * DV
+        vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
+        if SPLIT and DV == 2 * BDS:  # the value read in two column halves of acc
+            halves = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BDS]), [0, 2, 1]))
+            cols = tl.arange(0, BDS)
+            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, cols, PREC, SPREC, PV_F32)
+            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, BDS + cols, PREC, SPREC, PV_F32)
+            acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
-            acc += tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
+            acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, SPREC, PV_F32)
 
     ok = active & (l_i > 0)
     l_safe = tl.where(ok, l_i, 1.0)
@@ -280,12 +319,16 @@ def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=Fal
     return (out, dec) if return_decay else out
 
 
-CONFIG = {"num_warps_64": 8, "num_warps_128": 8, "num_stages": 2, "slot_precision": "tf32x3",
-          "triton_slot_backward": False,  # True: slot_bwd_tl (interpreter-checked only, see its docstring)
-          "training_pv_fp32": False}  # True: fp32 probabilities in the P.V products of a training forward, so
-# delta = rowsum(dO * O) in the backward carries less rounding (aimed at the slot_bias gradient; not yet run
-# on a GPU)
-# launch settings of the fused kernel and the precision of its slot-state products (see slot_precision)
+CONFIG = {
+    "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
+    "slot_precision": "tf32x3",  # its fp32 slot-state products (see slot_precision)
+    "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
+    "fwd_split": True,  # its slot part: row decays by a cumsum, D in 64-column passes (False: v3, spills more)
+    "slot_backward": "triton",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd
+    "slot_bwd_precision": "tf32x3",  # fp32 products of the Triton slot backward (bf16/fp16 inputs)
+    "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so
+    # delta = rowsum(dO * O) in the backward carries less rounding (aimed at the slot_bias gradient)
+}
 
 
 def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, want_f32=False):
@@ -304,10 +347,11 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     o32 = alloc(B, T, HQ, DV, dtype=torch.float32, device=dev) if want_f32 and p.q.dtype != torch.float32 else None
-    BR = max(16, triton.next_power_of_2(CQ * G))
+    cq = CONFIG["fwd_block"]
+    BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
-    grid = (triton.cdiv(T, CQ), B * H)
-    warps = 4 if BR * max(D, DV) < 64 * 128 else CONFIG["num_warps_64"] if BR <= 64 else CONFIG["num_warps_128"]
+    grid = (triton.cdiv(T, cq), B * H)
+    warps = 4 if BR * max(D, DV) < 32 * 128 else CONFIG["num_warps_64"] if BR <= 64 else CONFIG["num_warps_128"]
     _fwd_kernel[grid](
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
         p.bias, sk, sv, o, lse, o if o32 is None else o32,
@@ -315,9 +359,10 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         p.v.stride(0), p.v.stride(1), p.v.stride(2),
         p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
         T, p.W, p.nch, float(scale),
-        HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=CQ, CSZ=CS, BR=BR, BN=BN,
+        HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP, STORE_F32=o32 is not None,
         SPREC=slot_precision(p.prec), PV_F32=o32 is not None and CONFIG.get("training_pv_fp32", False),
+        SPLIT=CONFIG["fwd_split"], BDS=min(64, D),
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     if want_f32 and o32 is None:

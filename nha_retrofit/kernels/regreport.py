@@ -1,13 +1,16 @@
-"""Register / spill report of the fused forward kernel for sm_90a, WITHOUT a GPU (developer tool).
+"""Registers, spills and shared memory of every NHA kernel for sm_90a, WITHOUT a GPU (developer tool).
 
-Compiles `_fwd_kernel` to PTX with Triton for a Hopper target and runs the ptxas bundled in Triton's wheel
-with -v. (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .version line is lowered.)
+Compiles each kernel with Triton for a Hopper target (the launch settings the wrappers use) and runs the
+ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure (the H200 allows ~227 KB per
+block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .version line is lowered.)
 
-    python -m nha_retrofit.kernels.regreport
+    python -m nha_retrofit.kernels.regreport [--quick]
 """
 
 import os
+import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -15,36 +18,81 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import chunk_fwd as cf
+from . import decode, slot_bwd, slot_bwd_tl, window_bwd
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
+POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, G=BF, O=BF, WK=F32, WV=F32, WKR=BF, WLA=F32,
+                MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
+                LSE=F32, DELTA=F32, O32=F32, DQ=F32, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
+                RK=F32, RV=F32, DA=F32, XA=F32, DQR=F32, DKR=F32, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
+                CONT=F32)
 
 
-def report(jitfn, ptrs, consts, num_warps, floats=()):
-    sig = {}
-    for name in jitfn.arg_names:
-        sig[name] = "constexpr" if name in consts else ptrs.get(name, "fp32" if name in floats else "i32")
-    kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts)),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 2})
-    ptx = kernel.asm["ptx"]
+def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
+    """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error)."""
+    ptrs = dict(POINTERS, **(pointers or {}))
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in jitfn.arg_names}
+    try:
+        kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts)),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+    except Exception as exc:  # noqa: BLE001 - report, do not stop
+        return "compile failed: " + str(exc).strip().splitlines()[-1][:200]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx.replace(".version 9.4", ".version 8.7"))
+        f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", kernel.asm["ptx"]))
     out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
-    return " ".join(line.split(":", 1)[-1].strip() for line in out.stderr.splitlines() if "spill" in line or "Used" in line)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    if regs is None:
+        return "ptxas: " + out.stderr.strip()[-200:]
+    return (f"regs {regs.group(1):>3}, spill {int(spill.group(1)) if spill else 0:>5} B, "
+            f"smem {kernel.metadata.shared / 1024:5.0f} KB")
+
+
+def cases(HQ, H, D, M):
+    """(name, jit function, constexprs, num_warps, num_stages) as the wrappers launch them (bf16 inputs)."""
+    G = HQ // H
+    cs, bq = cf.CS, slot_bwd_tl.BQ
+    pow2 = triton.next_power_of_2
+    out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
+           ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
+           ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BD=min(64, D)), 4, 2)]
+    for cq, split, sprec in [(16, False, "tf32x3"), (16, False, "tf32"), (16, True, "tf32x3"), (16, True, "tf32"),
+                             (8, True, "tf32x3"), (8, True, "tf32")]:
+        br = max(16, pow2(cq * G))
+        warps = 4 if br * D < 64 * 128 else 8
+        consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
+                      HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", CLAMP=cf.EXP_CLAMP, STORE_F32=True, SPREC=sprec,
+                      PV_F32=False, SPLIT=split, BDS=min(64, D))
+        out.append((f"fwd block={cq} split={split} {sprec}", cf._fwd_kernel, consts, warps, 2))
+    out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
+    br = max(16, pow2(cf.CQ * G))
+    wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cf.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
+    wwarps = 4 if br <= 64 else 8
+    out += [("window dq", window_bwd._dq_kernel, wconsts, wwarps, 2),
+            ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
+    br = max(16, pow2(bq * G))
+    sconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=bq, CSZ=cs, BR=br, BD=min(64, D), PREC="tf32",
+                   SPREC="tf32x3", CLAMP=cf.EXP_CLAMP)
+    gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
+    out += [("slot bwd rows", slot_bwd_tl._rows_kernel, sconsts, 8, 1),
+            ("slot bwd keys_grad", slot_bwd_tl._keys_grad_kernel, dict(gconsts, DX=D), 8, 1),
+            ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel, sconsts, 8, 1),
+            ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
+                                                   PREC="tf32"), 4, 2)]
+    return out
 
 
 def main():
-    bf, f32, i32 = "*bf16", "*fp32", "*i32"
-    ptrs = dict(Q=bf, K=bf, V=bf, QR=bf, KR=bf, G=bf, MASK=i32, FIRST=i32, FILLED0=i32, BIAS=f32, SK=f32, SV=f32,
-                O=bf, LSE=f32, O32=f32)
-    for cq, cs in [(16, 64), (16, 32), (16, 16), (8, 32), (8, 16)]:
-        for slots in (False, True):
-            for sprec in ("tf32", "tf32x3"):
-                consts = dict(HQ=32, H=8, GQ=4, D=128, DV=128, M=64, CQB=cq, CSZ=cs, BR=cq * 4, BN=64, HAS_WINDOW=True,
-                              HAS_SLOTS=slots, PREC="tf32", CLAMP=80.0, STORE_F32=True, SPREC=sprec, PV_F32=False)
-                print(f"CQ={cq} CS={cs} slots={slots} {sprec} 8 warps:", report(cf._fwd_kernel, ptrs, consts, 8, ("scale",)))
-                if not slots:
-                    break
+    shapes = [(32, 8, 128, 64), (9, 3, 64, 64)]
+    quick = "--quick" in sys.argv
+    for HQ, H, D, M in shapes[:1] if quick else shapes:
+        print(f"# HQ={HQ} H={H} D={D} M={M}, bf16, sm_90a")
+        for name, fn, consts, warps, stages in cases(HQ, H, D, M):
+            ptrs = dict(WK=BF, WV=BF) if name == "decode" else None  # the window tensors of the decode state
+            print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs)}", flush=True)
 
 
 if __name__ == "__main__":

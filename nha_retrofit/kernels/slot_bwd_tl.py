@@ -1,25 +1,33 @@
 """Triton backward of the slot half of NHA (the same algebra as `slot_bwd.py`, which documents it).
 
-OPT-IN (`chunk_fwd.CONFIG["triton_slot_backward"] = True`): checked against the PyTorch slot backward with
-the Triton interpreter on CPU (float32), NOT yet run on a GPU (the session's device time ran out).
+The default slot backward on CUDA (`chunk_fwd.CONFIG["slot_backward"] = "triton"`; "torch" selects the
+PyTorch form in `slot_bwd.py`, kept as the reference). Every operand of a D-sized product is taken in
+column passes of BD = 64, so no [64 x 128] fp32 tile is ever live (this is what kept the first version of
+this file above the H200's shared memory and spilling registers).
 
-- `_rows_kernel`, per (16-token query block, kv head), rows = 16 tokens x G heads, as the forward: recomputes
+- `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
   the slot logits and dP = dO . Sv_u, forms dl = P (dP - delta), and writes dq (slot part), the slot_bias
   gradient (atomics), E[u] = sum_g (dl * l + P * dP), the row weights Wk = scale dl exp(a_u - a_ref),
-  Wv = P exp(a_u - a_ref) for the key pass, and adds the chunk's state-gradient contributions
-  (scale dl exp(a_u))^T q and (P exp(a_u))^T dO into per-chunk buffers (atomics; 4 blocks per chunk).
+  Wv = P exp(a_u - a_ref) for the key passes, and adds the chunk's state-gradient contributions
+  (scale dl exp(a_u))^T q and (P exp(a_u))^T dO into per-chunk buffers (atomics; CS / BQ blocks per chunk).
 - `_rev_scan_kernel` (slot_bwd.py): state gradients after each chunk.
-- `_keys_kernel`, per (64-token stream chunk, kv head): dk, dv of the chunk's tokens and
-  d/dA = E - s (<dK~, k> + <dV~, v>), plus the alpha term; a reverse cumulative sum in PyTorch finishes
-  dlog_alpha.
+- `_keys_grad_kernel`, per (64-token stream chunk, kv head, BD columns), launched once for dk and once for
+  dv: dX = to_end R + sum over the chunk's query blocks of (W kw^T, causal)^T Y.
+- `_keys_da_kernel`, per (chunk, kv head): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term; a reverse
+  cumulative sum in PyTorch finishes dlog_alpha.
+fp32 products use CONFIG["slot_bwd_precision"] (3xTF32 by default: plain TF32 broke the log_alpha gradient,
+NOTES.md v2); products of two bf16/fp16 operands are exact in fp32 accumulation.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CQ, CS, EXP_CLAMP, slot_precision, slot_states
+from .chunk_fwd import CONFIG, CS, EXP_CLAMP, _row_decay, slot_states
 from .slot_bwd import reverse_scan
+
+BD = 64  # columns per pass over D
+BQ = 8  # query tokens per row block (16 spills 4.5 KB of registers at D=128, 8 warps; 8 spills 0.8 KB)
 
 
 @triton.jit
@@ -45,8 +53,8 @@ def _rows_kernel(
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    CLAMP: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr, CLAMP: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -58,16 +66,13 @@ def _rows_kernel(
     t = t0 + tok
     tv = (r < CQB * GQ) & (t < T)
     hq = h * GQ + r % GQ
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
+    offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
     q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
     first = tl.load(FIRST + b)
     readable = tv & q_real & (t - W >= first)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
-    q = tl.load(Q + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-    do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
     lrow = (b * T + t).to(tl.int64) * HQ + hq
     lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
     delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
@@ -77,130 +82,187 @@ def _rows_kernel(
     off = t0 - cs0
     offs_u = tl.arange(0, CSZ)
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
-    ul = off + tok
-    causal = offs_u[None, :] <= ul[:, None]
+    causal = offs_u[None, :] <= (off + tok)[:, None]
     a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-    a_row = tl.dot(causal.to(tl.float32), g, input_precision="ieee")
     kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
-    e_in = tl.exp(a_row - a_ref[None, :])
-    e_car = tl.exp(a_row)
-    kj = tl.load(K + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
-                 mask=jr[:, None], other=0.0)
-    vj = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
-                 mask=jr[:, None], other=0.0)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+    e_in = tl.exp(a_in)
+    e_car = tl.exp(a_in + a_ref[None, :])
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     st = pid_bh.to(tl.int64) * (NCH + 1) + c
-    sk = tl.load(SK + st * M * D + offs_m[:, None] * D + offs_d[None, :])
-    sv = tl.load(SV + st * M * DV + offs_m[:, None] * DV + offs_dv[None, :])
 
-    qk = tl.where(causal, tl.dot(q, tl.trans(kj), input_precision=PREC), 0.0)
-    lraw = (tl.dot(qk, kw, input_precision=SPREC) * e_in
-            + tl.dot(q.to(tl.float32), tl.trans(sk), input_precision=SPREC) * e_car) * scale
+    # logits and dP, summed over column passes
+    qk = tl.zeros([BR, CSZ], dtype=tl.float32)
+    xc = tl.zeros([BR, M], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
+        xc += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
+    ov = tl.zeros([BR, CSZ], dtype=tl.float32)
+    xv = tl.zeros([BR, M], dtype=tl.float32)
+    for d0 in range(0, DV, BD):
+        dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        svd = tl.load(SV + st * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
+        ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
+        xv += tl.dot(dod.to(tl.float32), tl.trans(svd), input_precision=SPREC)
+    lraw = (tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in + xc * e_car) * scale
     bias = tl.load(BIAS + hq, mask=tv, other=0.0)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
-    ov = tl.where(causal, tl.dot(do, tl.trans(vj), input_precision=PREC), 0.0)
-    dp = (tl.dot(ov, kw, input_precision=SPREC) * e_in
-          + tl.dot(do.to(tl.float32), tl.trans(sv), input_precision=SPREC) * e_car)
+    dp = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in + xv * e_car
     dl = p * (dp - delta[:, None])
     wk = dl * scale
 
-    # dq (slot part)
-    bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
-    dq = tl.dot(wk * e_car, sk, input_precision=SPREC) + tl.dot(bk, kj.to(tl.float32), input_precision=SPREC)
-    tl.store(DQ + row[:, None] + offs_d[None, :], dq, mask=tv[:, None])
-    # slot_bias
     tl.atomic_add(DB + hq, tl.sum(dl, 1), mask=tv)
-    # E per stream position (sum over the G heads of a token) and the row weights of the key pass
-    offs_c = tl.arange(0, CQB)
-    expand = (tok[None, :] == offs_c[:, None]) & tv[None, :]  # [CQ, BR]
-    e_tok = tl.dot(expand.to(tl.float32), dl * lraw + p * dp, input_precision="ieee")
-    uc = t0 + offs_c
-    e_off = (pid_bh.to(tl.int64) * L + uc) * M
-    tl.store(E + e_off[:, None] + offs_m[None, :], e_tok, mask=(uc < T)[:, None])
-    w_off = lrow * M
-    tl.store(WK + w_off[:, None] + offs_m[None, :], wk * e_in, mask=tv[:, None])
-    tl.store(WV + w_off[:, None] + offs_m[None, :], p * e_in, mask=tv[:, None])
-    # contributions to the gradient w.r.t. the state before chunk c
-    ck = tl.dot(tl.trans(wk * e_car), q.to(tl.float32), input_precision=SPREC)
-    cv = tl.dot(tl.trans(p * e_car), do.to(tl.float32), input_precision=SPREC)
+    # E per stream position (sum over the G heads of a token) and the row weights of the key passes
+    e_off = (pid_bh.to(tl.int64) * L + t) * M
+    tl.atomic_add(E + e_off[:, None] + offs_m[None, :], dl * lraw + p * dp, mask=tv[:, None])
+    tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk * e_in, mask=tv[:, None])
+    tl.store(WV + lrow[:, None] * M + offs_m[None, :], p * e_in, mask=tv[:, None])
+
+    # dq (slot part) and the contributions to the gradient w.r.t. the state before chunk c
+    bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    wc = wk * e_car
     cidx = pid_bh.to(tl.int64) * NCH + c
-    tl.atomic_add(CK + cidx * M * D + offs_m[:, None] * D + offs_d[None, :], ck)
-    tl.atomic_add(CV + cidx * M * DV + offs_m[:, None] * DV + offs_dv[None, :], cv)
+    for d0 in range(0, D, BD):
+        qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        dq = tl.dot(wc, skd, input_precision=SPREC) + tl.dot(bk, kd.to(tl.float32), input_precision=SPREC)
+        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
+        ck = tl.dot(tl.trans(wc), qd.to(tl.float32), input_precision=SPREC)
+        tl.atomic_add(CK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :], ck)
+    pc = p * e_car
+    for d0 in range(0, DV, BD):
+        dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        cv = tl.dot(tl.trans(pc), dod.to(tl.float32), input_precision=SPREC)
+        tl.atomic_add(CV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :], cv)
 
 
 @triton.jit
-def _keys_kernel(
-    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV,
-    DK, DVO, DA, XA,
+def _keys_grad_kernel(
+    Y, WST, R, G, MASK, OUT,
+    sy_b, sy_t, so_b, so_t, so_h, sg_b, sg_t, sg_h,
+    T, W, NCH,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+    CLAMP: tl.constexpr,
+):
+    """OUT[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols] for the chunk's tokens
+    (dk with (Y, W, R) = (q, Wk, Rk); dv with (dO, Wv, Rv))."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    d0 = tl.program_id(2) * BD
+    b = pid_bh // H
+    h = pid_bh % H
+    cs0 = c * CSZ
+    offs_u = tl.arange(0, CSZ)
+    offs_c = d0 + tl.arange(0, BD)
+    offs_m = tl.arange(0, M)
+    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
+    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
+    to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
+    rx = tl.load(R + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :])
+    acc = tl.dot(to_end, rx, input_precision=SPREC)
+    r = tl.arange(0, BR)
+    tok = r // GQ
+    hq = h * GQ + r % GQ
+    rok = r < CQB * GQ
+    for blk in range(CSZ // CQB):
+        off = blk * CQB
+        t = cs0 + off + tok
+        tv = rok & (t < T)
+        causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
+        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
+        # the forward's intra factors of this block: only tokens up to the block's end
+        kw = tl.where((offs_u < off + CQB)[:, None], s * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
+        wst = tl.load(WST + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :],
+                      mask=tv[:, None], other=0.0)
+        bx = tl.where(causal, tl.dot(wst, tl.trans(kw), input_precision=SPREC), 0.0)  # [BR, CS]
+        yrow = b * sy_b + t.to(tl.int64) * sy_t + hq * DX
+        y = tl.load(Y + yrow[:, None] + offs_c[None, :], mask=tv[:, None], other=0.0)
+        acc += tl.dot(tl.trans(bx), y.to(tl.float32), input_precision=SPREC)
+    orow = b * so_b + j.to(tl.int64) * so_t + h * so_h
+    jv = (j >= 0) & (j < T - W)
+    tl.store(OUT + orow[:, None] + offs_c[None, :], acc, mask=jv[:, None])
+
+
+@triton.jit
+def _keys_da_kernel(
+    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    CLAMP: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr, CLAMP: tl.constexpr,
 ):
+    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     cs0 = c * CSZ
     offs_u = tl.arange(0, CSZ)
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
+    offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
-    a_last = tl.sum(g, 0)
-    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    kj = tl.load(K + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
-                 mask=jr[:, None], other=0.0)
-    vj = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
-                 mask=jr[:, None], other=0.0)
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     cidx = pid_bh.to(tl.int64) * NCH + c
-    rk = tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_d[None, :])
-    rv = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_dv[None, :])
-    to_end = s * tl.exp(a_last[None, :] - a)
-    dk = tl.dot(to_end, rk, input_precision=SPREC)
-    dv = tl.dot(to_end, rv, input_precision=SPREC)
-    uv = (tl.dot(kj.to(tl.float32), tl.trans(rk), input_precision=SPREC)
-          + tl.dot(vj.to(tl.float32), tl.trans(rv), input_precision=SPREC)) * tl.exp(a_last[None, :] - a)
+    uv = tl.zeros([CSZ, M], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        rkd = tl.load(RK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        uv += tl.dot(kd.to(tl.float32), tl.trans(rkd), input_precision=SPREC)
+    for d0 in range(0, DV, BD):
+        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
+        uv += tl.dot(vd.to(tl.float32), tl.trans(rvd), input_precision=SPREC)
+    uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
     r = tl.arange(0, BR)
     tok = r // GQ
     hq = h * GQ + r % GQ
     rok = r < CQB * GQ
     for blk in range(CSZ // CQB):
-        t = cs0 + blk * CQB + tok
-        tv = rok & (t < T)
         off = blk * CQB
-        ul = off + tok
-        causal = (offs_u[None, :] <= ul[:, None]) & tv[:, None]
+        t = cs0 + off + tok
+        tv = rok & (t < T)
+        causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
         a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-        # the forward's intra factors of this block: only tokens up to the block's end
-        kw = tl.where((offs_u < off + CQB)[:, None], s * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
-        eneg = tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP))
         row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
-        q = tl.load(Q + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
         orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-        do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
-        w_off = ((b * T + t).to(tl.int64) * HQ + hq) * M
-        wk = tl.load(WK + w_off[:, None] + offs_m[None, :], mask=tv[:, None], other=0.0)
-        wv = tl.load(WV + w_off[:, None] + offs_m[None, :], mask=tv[:, None], other=0.0)
-        bk = tl.where(causal, tl.dot(wk, tl.trans(kw), input_precision=SPREC), 0.0)  # [BR, CS]
-        bv = tl.where(causal, tl.dot(wv, tl.trans(kw), input_precision=SPREC), 0.0)
-        dk += tl.dot(tl.trans(bk), q.to(tl.float32), input_precision=SPREC)
-        dv += tl.dot(tl.trans(bv), do.to(tl.float32), input_precision=SPREC)
-        qk = tl.where(causal, tl.dot(q, tl.trans(kj), input_precision=PREC), 0.0)
-        ov = tl.where(causal, tl.dot(do, tl.trans(vj), input_precision=PREC), 0.0)
-        uv += (tl.dot(tl.trans(qk), wk, input_precision=SPREC)
-               + tl.dot(tl.trans(ov), wv, input_precision=SPREC)) * tl.where(
-                   (offs_u < off + CQB)[:, None], eneg, 0.0)
+        qk = tl.zeros([BR, CSZ], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
+        ov = tl.zeros([BR, CSZ], dtype=tl.float32)
+        for d0 in range(0, DV, BD):
+            dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
+        w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
+        wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
+        wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
+        intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk, input_precision=SPREC)
+                 + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv, input_precision=SPREC))
+        eneg = tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP))
+        uv += intra * tl.where((offs_u < off + CQB)[:, None], eneg, 0.0)
     u = cs0 + offs_u
     e_off = (pid_bh.to(tl.int64) * L + u) * M
-    e = tl.load(E + e_off[:, None] + offs_m[None, :])
+    e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
+    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
     tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
-    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
-    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
-    jv = (j >= 0) & (j < T - W)
-    tl.store(DK + krow[:, None] + offs_d[None, :], dk, mask=jv[:, None])
-    tl.store(DVO + vrow[:, None] + offs_dv[None, :], dv, mask=jv[:, None])
+
+
+def slot_bwd_precision(prec):
+    """Precision of the fp32 products of the slot backward: IEEE for fp32 inputs, else
+    CONFIG["slot_bwd_precision"] (3xTF32 by default)."""
+    return "ieee" if prec == "ieee" else CONFIG.get("slot_bwd_precision", "tf32x3")
 
 
 def slot_backward_triton(p, do, lse, delta, scale):
@@ -213,32 +275,39 @@ def slot_backward_triton(p, do, lse, delta, scale):
     do = do.contiguous()
     sk, dec = slot_states(p.k, p.log_alpha, p.mask, W, n, p.prec, return_decay=True)
     sv = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
-    dq = torch.zeros(B, T, HQ, D, dtype=f32, device=dev)
+    dq = torch.empty(B, T, HQ, D, dtype=f32, device=dev)
     dbias = torch.zeros(HQ, dtype=f32, device=dev)
     E = torch.zeros(B, H, L, M, dtype=f32, device=dev)
-    wk = torch.zeros(B, T, HQ, M, dtype=f32, device=dev)
-    wv = torch.zeros(B, T, HQ, M, dtype=f32, device=dev)
+    wk = torch.empty(B, T, HQ, M, dtype=f32, device=dev)
+    wv = torch.empty(B, T, HQ, M, dtype=f32, device=dev)
     ck = torch.zeros(B, H, n, M, D, dtype=f32, device=dev)
     cv = torch.zeros(B, H, n, M, DV, dtype=f32, device=dev)
-    BR = max(16, triton.next_power_of_2(CQ * G))
-    sprec = slot_precision(p.prec)
+    BR = max(16, triton.next_power_of_2(BQ * G))
+    bd_ = min(BD, D, DV)
+    sprec = slot_bwd_precision(p.prec)
+    sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
     strides = (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-               p.v.stride(0), p.v.stride(1), p.v.stride(2),
-               p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), do.stride(0), do.stride(1))
-    meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=CQ, CSZ=CS, BR=BR, PREC=p.prec, SPREC=sprec,
-                CLAMP=EXP_CLAMP, num_warps=8 if BR * D >= 64 * 128 else 4)
-    _rows_kernel[(triton.cdiv(T, CQ), B * H)](
+               p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
+    meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, PREC=p.prec, SPREC=sprec,
+                CLAMP=EXP_CLAMP, num_warps=8, num_stages=1)
+    _rows_kernel[(triton.cdiv(T, BQ), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), **meta,
     )
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
     dk = torch.zeros(B, T, H, D, dtype=f32, device=dev)
     dv = torch.zeros(B, T, H, DV, dtype=f32, device=dev)
-    dA = torch.zeros(B, H, L, M, dtype=f32, device=dev)
-    xa = torch.zeros(B, H, L, M, dtype=f32, device=dev)
-    _keys_kernel[(n, B * H)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dk, dv, dA, xa,
-        *strides, T, W, n, L, **meta,
+    gmeta = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec, CLAMP=EXP_CLAMP,
+                 num_warps=8, num_stages=1)
+    for y, wst, rx, out, dx in ((p.q, wk, rk, dk, D), (do, wv, rv, dv, DV)):
+        _keys_grad_kernel[(n, B * H, dx // bd_)](
+            y, wst, rx, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
+            out.stride(2), *sg, T, W, n, DX=dx, **gmeta,
+        )
+    dA = torch.empty(B, H, L, M, dtype=f32, device=dev)
+    xa = torch.empty(B, H, L, M, dtype=f32, device=dev)
+    _keys_da_kernel[(n, B * H)](
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, **meta,
     )
     dga = dA.flip(2).cumsum(2).flip(2) + xa  # [B, H, L, M] over stream positions u = j + W
     dla = torch.zeros(B, T, H, M, dtype=f32, device=dev)

@@ -3,7 +3,8 @@
 Reference: `nha_reference` on float64 upcasts for short sequences, `nha_chunked` in float64 (itself pinned to
 the brute-force oracle in tests/ops) where the dense form would need tens of GB. Fresh random inputs each
 run; kernel output buffers are NaN-poisoned so an element no kernel writes fails. Each axis value of the
-issue (T, GQA, D, M, window, dtype) appears in at least one combination.
+issue (T, GQA, D, M, window, dtype) appears in at least one combination. Each check prints a line starting
+with ERRORS (relative error per tensor) that benchmarks/kernel_session.sh collects.
 """
 
 import pytest
@@ -21,6 +22,7 @@ from nha_retrofit.ops.reference import nha_reference  # noqa: E402
 
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
 TOL = {torch.bfloat16: 5e-3, torch.float32: 1e-4}
+DEFAULTS = dict(chunk_fwd.CONFIG)
 
 # (T, HQ, H, D, M, window, dtype, batch)
 COMBOS = [
@@ -94,7 +96,8 @@ def test_forward_backward_matches_float64_reference(combo):
     assert (out[mask == 0] == 0).all(), "padding queries must output exactly 0"
     bad = {k: v for k, v in errors.items() if not v <= tol}
     summary = " ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    print(f"\n{combo}: {summary}")
+    changed = {k: v for k, v in chunk_fwd.CONFIG.items() if DEFAULTS.get(k) != v}
+    print(f"\nERRORS {combo} {changed or 'defaults'}: {summary}")
     assert not bad, f"tolerance {tol}: {summary}"
 
 
@@ -155,12 +158,22 @@ def test_prefill_in_two_parts_with_carried_state(window):
         assert rel(state.slot_keys, ref_state.slot_keys) <= 5e-3
 
 
+VARIANTS = {  # CONFIG overrides timed side by side by benchmarks/kernel_session.sh
+    "torch_slot_bwd": dict(slot_backward="torch"),
+    "fwd_tf32": dict(slot_precision="tf32"),
+    "fwd_tf32_pv_fp32": dict(slot_precision="tf32", training_pv_fp32=True),
+    "pv_fp32": dict(training_pv_fp32=True),
+    "bwd_tf32": dict(slot_bwd_precision="tf32"),
+    "fwd_v3": dict(fwd_split=False),
+    "fwd_block8": dict(fwd_block=8),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("combo", [COMBOS[1], COMBOS[4], COMBOS[9], COMBOS[11]],
                          ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:]))
-def test_opt_in_triton_slot_backward_and_fp32_pv(combo, monkeypatch):
-    """The opt-in paths (CONFIG["triton_slot_backward"], CONFIG["training_pv_fp32"]) under the same check.
-
-    Written after the session's device time ran out: checked with the Triton interpreter on CPU only."""
-    monkeypatch.setitem(chunk_fwd.CONFIG, "triton_slot_backward", True)
-    monkeypatch.setitem(chunk_fwd.CONFIG, "training_pv_fp32", True)
+def test_config_variants_match_float64_reference(combo, variant, monkeypatch):
+    """The same check under each CONFIG variant (the defaults are covered above)."""
+    for key, value in VARIANTS[variant].items():
+        monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
     test_forward_backward_matches_float64_reference(combo)

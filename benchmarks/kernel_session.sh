@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One GPU session for the NHA kernels (H200, ~8 minutes): kernel tests against the float64 reference (defaults
+# and every CONFIG variant), per-stage timings and the CONFIG variants side by side, then the full operator
+# benchmark. Run from the repository root with $OUT an empty folder:
+#     OUT=/some/dir bash benchmarks/kernel_session.sh
+# Every step runs under `timeout` against one overall deadline, so a hang costs one step, not the call.
+set -u
+OUT=${OUT:?set OUT to an empty output folder}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+START=$(date +%s)
+BUDGET=${BUDGET:-470}  # seconds for all steps together
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+step() {  # step NAME CAP_SECONDS CMD...: run CMD with min(CAP, time left) seconds, log to $OUT/NAME.log
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 15 ]; then echo "== $name: skipped (no time left)" | tee -a "$OUT/summary.txt"; return; fi
+  echo "== $name (limit ${t}s)"
+  local s; s=$(date +%s)
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc, $(( $(date +%s) - s ))s" | tee -a "$OUT/summary.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.txt" 2>&1
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+PT=(-m pytest -p no:cacheprovider -q -rfE -s)
+if $PY -c "import pytest_timeout" 2>/dev/null; then PT+=(--timeout=90); fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+step tests 170 $PY "${PT[@]}" tests/kernels -k "not config_variants"
+step tests_variants 100 $PY "${PT[@]}" tests/kernels -k "config_variants"
+step parts_variants 130 $PY benchmarks/ops.py --parts --variants all --variant-lengths 8192,32768 --lengths 2048 \
+  --skip nha,sdpa,decode --out-dir "$OUT/parts"
+step ops 140 $PY benchmarks/ops.py --out-dir "$OUT"
+
+{
+  echo; echo "# summary"
+  cat "$OUT/device.txt"
+  for f in tests tests_variants; do
+    [ -f "$OUT/$f.log" ] || continue
+    echo "## $f"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/$f.log" | tail -40
+    grep -E "^ERRORS" "$OUT/$f.log" | sed 's/torch\.//' | cut -c1-260
+  done
+  echo "## parts and variants (median ms)"
+  grep -hE "^(parts|variant)" "$OUT/parts_variants.log" 2>/dev/null
+  echo "## operator benchmark"
+  cat "$OUT/ops_h200.md" 2>/dev/null || tail -20 "$OUT/ops.log" 2>/dev/null
+  echo "total wall $(( $(date +%s) - START ))s"
+} >> "$OUT/summary.txt"
+sed -n '/^# summary/,$p' "$OUT/summary.txt"
