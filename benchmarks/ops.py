@@ -6,6 +6,7 @@ the bytes / FLOP floors. Writes benchmarks/results/ops_h200.json (records {impl,
 benchmarks/results/ops_h200.md.
 
     python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
+    python benchmarks/ops.py --parts --variants all   # stages at 32K; CONFIG variants side by side
 """
 
 import argparse
@@ -170,7 +171,7 @@ def parts(T=32768, w=64):
     from nha_retrofit.kernels import chunk_fwd
     from nha_retrofit.kernels.slot_bwd import slot_backward
     from nha_retrofit.kernels.slot_bwd_tl import slot_backward_triton
-    from nha_retrofit.kernels.window_bwd import window_backward
+    from nha_retrofit.kernels.window_bwd import window_backward, window_delta
 
     x = nha_inputs(T, False)
     p = chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"], x["log_alpha"], w, None, x["slot_bias"])
@@ -187,6 +188,10 @@ def parts(T=32768, w=64):
     out["window bwd (triton)"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
     out["slot bwd (torch+scan)"] = bench(lambda: slot_backward(p, do, lse, delta, D**-0.5))
     out["slot bwd (triton)"] = bench(lambda: slot_backward_triton(p, do, lse, delta, D**-0.5))
+    out["window delta (exact delta)"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
+    wd = window_delta(p, do, lse, D**-0.5)
+    out["slot bwd (triton, exact delta)"] = bench(
+        lambda: slot_backward_triton(p, do, lse, wd.clone(), D**-0.5, exact_delta=True))
     for k, v in out.items():
         print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
     return out
@@ -194,15 +199,20 @@ def parts(T=32768, w=64):
 
 VARIANTS = {  # CONFIG overrides of nha_retrofit.kernels.chunk_fwd (tests/kernels checks the same ones)
     "defaults": {},
-    "fwd_v3": dict(fwd_split=False),
+    "values_tf32": dict(value_precision="tf32"),
     "fwd_tf32": dict(slot_precision="tf32"),
+    "bwd_tf32": dict(slot_bwd_precision="tf32"),
+    "rowsum_delta": dict(exact_delta=False),
+    "rowsum_delta_pv_fp32": dict(exact_delta=False, training_pv_fp32=True),
+    "torch_slot_bwd": dict(slot_backward="torch"),
+    "fwd_v3": dict(fwd_split=False),
     "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
     "fwd_block8": dict(fwd_block=8),
-    "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
-    "fwd_tf32_pv_fp32": dict(slot_precision="tf32", training_pv_fp32=True),
-    "bwd_tf32": dict(slot_bwd_precision="tf32"),
-    "torch_slot_bwd": dict(slot_backward="torch"),
+    "window_dkv_8warps": dict(window_dkv_warps=8),
+    "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
 }
+FWD_SAME = {"bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "window_dkv_8warps"}  # forward
+# as the defaults (rowsum_delta's training forward also writes the fp32 output copy: timed with fwd+bwd)
 
 
 def variants(lengths, names, w=64):
@@ -216,7 +226,7 @@ def variants(lengths, names, w=64):
             chunk_fwd.CONFIG.clear()
             chunk_fwd.CONFIG.update(base, **VARIANTS[name])
             for mode in ("fwd", "fwd+bwd"):
-                if name == "torch_slot_bwd" and mode == "fwd":
+                if name in FWD_SAME and mode == "fwd":
                     continue
                 try:
                     ms = run_nha(T, w, mode)

@@ -6,7 +6,7 @@ from ..modeling.nha_state import NHAState
 from . import chunk_fwd
 from .slot_bwd import slot_backward
 from .slot_bwd_tl import slot_backward_triton
-from .window_bwd import window_backward
+from .window_bwd import window_backward, window_delta
 
 
 def _has_slots(prep, filled0_any=False):
@@ -18,9 +18,12 @@ class _NHAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias)
         has_slots = _has_slots(prep)
-        o, lse, _, o32 = chunk_fwd.forward(prep, scale, has_slots, want_f32=any(ctx.needs_input_grad))
+        # exact delta = sum P * dP in the backward, else rowsum(dO * O) from an fp32 copy of the output
+        exact = has_slots and chunk_fwd.CONFIG["exact_delta"] and chunk_fwd.CONFIG["slot_backward"] != "torch"
+        want_f32 = any(ctx.needs_input_grad) and not exact
+        o, lse, _, o32 = chunk_fwd.forward(prep, scale, has_slots, want_f32=want_f32)
         o32 = o if o32 is None else o32
-        ctx.prep, ctx.scale, ctx.has_slots = prep, scale, has_slots
+        ctx.prep, ctx.scale, ctx.has_slots, ctx.exact = prep, scale, has_slots, exact
         ctx.bias_none = slot_bias is None
         ctx.save_for_backward(o32, lse)
         return o
@@ -30,7 +33,10 @@ class _NHAFunction(torch.autograd.Function):
         o, lse = ctx.saved_tensors
         p, scale = ctx.prep, ctx.scale
         do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, T, HQ]
+        if ctx.exact:
+            delta = window_delta(p, do, lse, scale)  # the slot backward adds its share in place
+        else:
+            delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, T, HQ]
         f32 = torch.float32
         dq = torch.zeros(p.B, p.T, p.HQ, p.D, dtype=f32, device=do.device)
         dk = torch.zeros(p.B, p.T, p.H, p.D, dtype=f32, device=do.device)
@@ -39,13 +45,16 @@ class _NHAFunction(torch.autograd.Function):
         dbias = torch.zeros(p.HQ, dtype=f32, device=do.device)
         dqr = torch.zeros_like(dq)
         dkr = torch.zeros_like(dk)
+        if ctx.has_slots:
+            if ctx.exact:
+                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, exact_delta=True)
+            elif chunk_fwd.CONFIG["slot_backward"] == "torch":
+                dq, dk, dv, dla, dbias = slot_backward(p, do, lse, delta, scale)
+            else:
+                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale)
         if p.W > 0:
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
             dv = dv + dv_w
-        if ctx.has_slots:
-            backward = slot_backward if chunk_fwd.CONFIG["slot_backward"] == "torch" else slot_backward_triton
-            dq_s, dk_s, dv_s, dla, dbias = backward(p, do, lse, delta, scale)
-            dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731
         return (
             cast(dq, p.q), cast(dk, p.k), cast(dv, p.v), cast(dqr, p.q_rope), cast(dkr, p.k_rope),

@@ -15,6 +15,10 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
    values, and stores o and the joint log-sum-exp L (natural log; +inf for rows with nothing visible, so a
    backward pass gets exp(s - L) = 0 there).
 
+With CONFIG["fwd_split"] (default) the slot part takes q, k and the state in 64-column passes, the row
+decays from a cumsum over the rows, and the value read in two column halves of the accumulator, so fewer
+[rows x 128] fp32 tiles are live at once (register spills, `regreport.py`).
+
 Intra-chunk decays are factored around a reference point at the start of the query block: for rows of the
 block and earlier tokens of the chunk both factors are <= 1; only tokens inside the CQ-token block get a
 factor exp(a_ref - a_j) >= 1, bounded by the decay of CQ tokens (clamped at exp(80) against overflow).
@@ -111,12 +115,12 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.const
 
 
 @triton.jit
-def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, SPREC: tl.constexpr, PV_F32: tl.constexpr):
+def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr):
     """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
-    acc += tl.dot(pc, tl.load(SVP + cols[None, :]), input_precision=SPREC)
+    acc += tl.dot(pc, tl.load(SVP + cols[None, :]), input_precision=VPREC)
     vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
     if PV_F32:
-        return acc + tl.dot(wm, vj.to(tl.float32), input_precision=SPREC)
+        return acc + tl.dot(wm, vj.to(tl.float32), input_precision=VPREC)
     return acc + tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
 
 
@@ -128,7 +132,8 @@ def _fwd_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
-    STORE_F32: tl.constexpr, SPREC: tl.constexpr, PV_F32: tl.constexpr, SPLIT: tl.constexpr, BDS: tl.constexpr,
+    STORE_F32: tl.constexpr, SPREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr, SPLIT: tl.constexpr,
+    BDS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -173,7 +178,7 @@ def _fwd_kernel(
             vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                          mask=jin[:, None], other=0.0)
             if PV_F32:
-                acc = acc * alpha[:, None] + tl.dot(p, vv.to(tl.float32), input_precision=SPREC)
+                acc = acc * alpha[:, None] + tl.dot(p, vv.to(tl.float32), input_precision=VPREC)
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
             m_i = m_new
@@ -236,17 +241,17 @@ def _fwd_kernel(
         acc = acc * alpha[:, None]
         m_i = m_new
         pc = p * e_car
-        wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+        wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=VPREC), 0.0)
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if SPLIT and DV == 2 * BDS:  # the value read in two column halves of acc
             halves = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BDS]), [0, 2, 1]))
             cols = tl.arange(0, BDS)
-            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, cols, PREC, SPREC, PV_F32)
-            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, BDS + cols, PREC, SPREC, PV_F32)
+            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, cols, PREC, VPREC, PV_F32)
+            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, BDS + cols, PREC, VPREC, PV_F32)
             acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
-            acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, SPREC, PV_F32)
+            acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, VPREC, PV_F32)
 
     ok = active & (l_i > 0)
     l_safe = tl.where(ok, l_i, 1.0)
@@ -269,6 +274,11 @@ def slot_precision(prec):
     5.0 ms against 12.6 ms) and passed the output tests there, but its gradients were only checked together
     with a TF32 backward (run 2) or an older forward (run 1). fp32 inputs always use IEEE products."""
     return "ieee" if prec == "ieee" else CONFIG.get("slot_precision", "tf32x3")
+
+
+def value_precision(prec):
+    """Precision of the slot part's P.V products: CONFIG["value_precision"], else as slot_precision."""
+    return "ieee" if prec == "ieee" else CONFIG.get("value_precision") or slot_precision(prec)
 
 
 class Prepared:
@@ -326,9 +336,19 @@ CONFIG = {
     "fwd_split": True,  # its slot part: row decays by a cumsum, D in 64-column passes (False: v3, spills more)
     "slot_backward": "triton",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd
     "slot_bwd_precision": "tf32x3",  # fp32 products of the Triton slot backward (bf16/fp16 inputs)
+    "exact_delta": True,  # backward: delta = sum P * dP computed there (no fp32 output copy in the forward)
+    "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
+    # o when delta is exact, only the logits must match the backward's)
+    "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
+    # spills less at D=128 in the register report)
     "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so
-    # delta = rowsum(dO * O) in the backward carries less rounding (aimed at the slot_bias gradient)
+    # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
 }
+
+
+def fwd_warps(rows, dim):
+    """Warps of the fused kernel for a [rows x dim] tile of rows."""
+    return 4 if rows * dim < 32 * 128 else CONFIG["num_warps_64"] if rows <= 64 else CONFIG["num_warps_128"]
 
 
 def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, want_f32=False):
@@ -351,7 +371,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
     grid = (triton.cdiv(T, cq), B * H)
-    warps = 4 if BR * max(D, DV) < 32 * 128 else CONFIG["num_warps_64"] if BR <= 64 else CONFIG["num_warps_128"]
+    warps = fwd_warps(BR, max(D, DV))
     _fwd_kernel[grid](
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
         p.bias, sk, sv, o, lse, o if o32 is None else o32,
@@ -362,7 +382,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP, STORE_F32=o32 is not None,
         SPREC=slot_precision(p.prec), PV_F32=o32 is not None and CONFIG.get("training_pv_fp32", False),
-        SPLIT=CONFIG["fwd_split"], BDS=min(64, D),
+        SPLIT=CONFIG["fwd_split"], BDS=min(64, D), VPREC=value_precision(p.prec),
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     if want_f32 and o32 is None:

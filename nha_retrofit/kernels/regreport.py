@@ -52,32 +52,36 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
 
 
 def cases(HQ, H, D, M):
-    """(name, jit function, constexprs, num_warps, num_stages) as the wrappers launch them (bf16 inputs)."""
+    """(name, jit function, constexprs, num_warps, num_stages) as the wrappers launch them (bf16 inputs);
+    the fused forward in each CONFIG variant (block, split, slot/value precision)."""
     G = HQ // H
     cs, bq = cf.CS, slot_bwd_tl.BQ
     pow2 = triton.next_power_of_2
     out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BD=min(64, D)), 4, 2)]
-    for cq, split, sprec in [(16, False, "tf32x3"), (16, False, "tf32"), (16, True, "tf32x3"), (16, True, "tf32"),
-                             (8, True, "tf32x3"), (8, True, "tf32")]:
+    for cq, split, sprec, vprec in [(16, False, "tf32x3", "tf32x3"), (16, False, "tf32", "tf32"),
+                                    (16, True, "tf32x3", "tf32x3"), (16, True, "tf32x3", "tf32"),
+                                    (16, True, "tf32", "tf32"), (8, True, "tf32x3", "tf32x3"),
+                                    (8, True, "tf32x3", "tf32"), (8, True, "tf32", "tf32")]:
         br = max(16, pow2(cq * G))
-        warps = 4 if br * D < 64 * 128 else 8
+        warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", CLAMP=cf.EXP_CLAMP, STORE_F32=True, SPREC=sprec,
-                      PV_F32=False, SPLIT=split, BDS=min(64, D))
-        out.append((f"fwd block={cq} split={split} {sprec}", cf._fwd_kernel, consts, warps, 2))
+                      PV_F32=False, SPLIT=split, BDS=min(64, D), VPREC=vprec)
+        out.append((f"fwd block={cq} split={split} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
     br = max(16, pow2(cf.CQ * G))
     wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cf.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
     wwarps = 4 if br <= 64 else 8
-    out += [("window dq", window_bwd._dq_kernel, wconsts, wwarps, 2),
+    out += [("window dq", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
+            ("window delta", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
             ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     br = max(16, pow2(bq * G))
     sconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=bq, CSZ=cs, BR=br, BD=min(64, D), PREC="tf32",
                    SPREC="tf32x3", CLAMP=cf.EXP_CLAMP)
     gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
-    out += [("slot bwd rows", slot_bwd_tl._rows_kernel, sconsts, 8, 1),
+    out += [("slot bwd rows", slot_bwd_tl._rows_kernel, dict(sconsts, EXACT_DELTA=True), 8, 1),
             ("slot bwd keys_grad", slot_bwd_tl._keys_grad_kernel, dict(gconsts, DX=D), 8, 1),
             ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel, sconsts, 8, 1),
             ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,

@@ -6,8 +6,9 @@ column passes of BD = 64, so no [64 x 128] fp32 tile is ever live (this is what 
 this file above the H200's shared memory and spilling registers).
 
 - `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
-  the slot logits and dP = dO . Sv_u, forms dl = P (dP - delta), and writes dq (slot part), the slot_bias
-  gradient (atomics), E[u] = sum_g (dl * l + P * dP), the row weights Wk = scale dl exp(a_u - a_ref),
+  the slot logits and dP = dO . Sv_u, completes an exact delta if asked, forms dl = P (dP - delta), and
+  writes dq (slot part), the slot_bias gradient (atomics), E[u] = sum_g (dl * l + P * dP) (atomics over the
+  G heads), the row weights Wk = scale dl exp(a_u - a_ref),
   Wv = P exp(a_u - a_ref) for the key passes, and adds the chunk's state-gradient contributions
   (scale dl exp(a_u))^T q and (P exp(a_u))^T dO into per-chunk buffers (atomics; CS / BQ blocks per chunk).
 - `_rev_scan_kernel` (slot_bwd.py): state gradients after each chunk.
@@ -54,7 +55,7 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, CLAMP: tl.constexpr,
+    SPREC: tl.constexpr, CLAMP: tl.constexpr, EXACT_DELTA: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -113,6 +114,9 @@ def _rows_kernel(
     bias = tl.load(BIAS + hq, mask=tv, other=0.0)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
     dp = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in + xv * e_car
+    if EXACT_DELTA:  # DELTA holds the window share of sum P * dP: add the slot share, keep it for the window
+        delta += tl.sum(p * dp, 1)
+        tl.store(DELTA + lrow, delta, mask=tv)
     dl = p * (dp - delta[:, None])
     wk = dl * scale
 
@@ -265,8 +269,11 @@ def slot_bwd_precision(prec):
     return "ieee" if prec == "ieee" else CONFIG.get("slot_bwd_precision", "tf32x3")
 
 
-def slot_backward_triton(p, do, lse, delta, scale):
-    """Same outputs as `slot_bwd.slot_backward`: (dq, dk, dv, dlog_alpha, dslot_bias), fp32."""
+def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False):
+    """Same outputs as `slot_bwd.slot_backward`: (dq, dk, dv, dlog_alpha, dslot_bias), fp32.
+
+    With `exact_delta`, `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is
+    completed in place with the slot share, for the window backward that follows."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     n = p.nch
     L = n * CS
@@ -292,7 +299,7 @@ def slot_backward_triton(p, do, lse, delta, scale):
                 CLAMP=EXP_CLAMP, num_warps=8, num_stages=1)
     _rows_kernel[(triton.cdiv(T, BQ), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), **meta,
+        dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), EXACT_DELTA=exact_delta, **meta,
     )
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
     dk = torch.zeros(B, T, H, D, dtype=f32, device=dev)

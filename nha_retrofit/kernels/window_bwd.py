@@ -25,7 +25,10 @@ def _dq_kernel(
     T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
+    DELTA_ONLY: tl.constexpr,
 ):
+    """dq_rope of the window part; with DELTA_ONLY, instead DELTA[row] = sum_j p_j (dO . v_j) (its window
+    share of an exact delta = sum P * dP; the slot backward adds the slot share)."""
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -45,6 +48,7 @@ def _dq_kernel(
     lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
     delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
     dq = tl.zeros([BR, D], dtype=tl.float32)
+    dsum = tl.zeros([BR], dtype=tl.float32)
     lo = tl.maximum(t0 - W + 1, 0)
     hi = tl.minimum(t0 + CQB, T)
     offs_n = tl.arange(0, BN)
@@ -60,12 +64,18 @@ def _dq_kernel(
         valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :]
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        if HIGH:
-            dq += tl.dot(ds, kr.to(tl.float32), input_precision="tf32")
+        if DELTA_ONLY:
+            dsum += tl.sum(p * dp, 1)
         else:
-            dq += tl.dot(ds.to(kr.dtype), kr, input_precision=PREC)
-    tl.store(DQR + row[:, None] + offs_d[None, :], (dq * scale).to(DQR.dtype.element_ty), mask=tv[:, None])
+            ds = p * (dp - delta[:, None])
+            if HIGH:
+                dq += tl.dot(ds, kr.to(tl.float32), input_precision="tf32")
+            else:
+                dq += tl.dot(ds.to(kr.dtype), kr, input_precision=PREC)
+    if DELTA_ONLY:
+        tl.store(DELTA + lrow, dsum, mask=tv)
+    else:
+        tl.store(DQR + row[:, None] + offs_d[None, :], (dq * scale).to(DQR.dtype.element_ty), mask=tv[:, None])
 
 
 @triton.jit
@@ -125,22 +135,43 @@ def _dkv_kernel(
     tl.store(DV_ + vrow[:, None] + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=jin[:, None])
 
 
-def window_backward(p, do, lse, delta, scale):
-    """Gradients of the window half: (dq_rope, dk_rope, dv) in fp32."""
-    B, T, HQ, D, H, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.DV, p.G
-    do = do.contiguous()
-    dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=torch.float32, device=do.device)
-    dkr = chunk_fwd.alloc(B, T, H, D, dtype=torch.float32, device=do.device)
-    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
+def _launch(p, do, scale):
+    """(strides and scalars, launch settings) shared by the window kernels."""
+    G = p.G
     BR = max(16, triton.next_power_of_2(CQ * G))
     BN = 64 if BR <= 64 else 32
     args = (
         p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-        p.v.stride(0), p.v.stride(1), p.v.stride(2), do.stride(0), do.stride(1), T, p.W, float(scale),
+        p.v.stride(0), p.v.stride(1), p.v.stride(2), do.stride(0), do.stride(1), p.T, p.W, float(scale),
     )
-    meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, CQB=CQ, BR=BR, BN=BN, PREC=p.prec, HIGH=HIGH and p.prec != "ieee",
-                num_warps=4 if BR <= 64 else 8, num_stages=2)
-    _dq_kernel[(triton.cdiv(T, CQ), B * H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, **meta)
+    meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=CQ, BR=BR, BN=BN, PREC=p.prec,
+                HIGH=HIGH and p.prec != "ieee", num_warps=4 if BR <= 64 else 8, num_stages=2)
+    return args, meta
+
+
+def window_delta(p, do, lse, scale):
+    """The window share of delta = sum P * dP per row: [B, T, HQ] fp32 (0 without a window)."""
+    delta = torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
+    if p.W > 0:
+        do = do.contiguous()
+        args, meta = _launch(p, do, scale)
+        _dq_kernel[(triton.cdiv(p.T, CQ), p.B * p.H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta,
+                                                       *args, DELTA_ONLY=True, **meta)
+    return delta
+
+
+def window_backward(p, do, lse, delta, scale):
+    """Gradients of the window half: (dq_rope, dk_rope, dv) in fp32."""
+    B, T, HQ, D, H, DV = p.B, p.T, p.HQ, p.D, p.H, p.DV
+    do = do.contiguous()
+    dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=torch.float32, device=do.device)
+    dkr = chunk_fwd.alloc(B, T, H, D, dtype=torch.float32, device=do.device)
+    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
+    args, meta = _launch(p, do, scale)
+    BN = meta["BN"]
+    _dq_kernel[(triton.cdiv(T, CQ), B * H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args,
+                                            DELTA_ONLY=False, **meta)
+    meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
     _dkv_kernel[(triton.cdiv(T, BN), B * H)](
         p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta
     )
