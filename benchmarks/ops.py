@@ -208,10 +208,12 @@ VARIANTS = {  # CONFIG overrides of nha_retrofit.kernels.chunk_fwd (tests/kernel
     "fwd_v3": dict(fwd_split=False),
     "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
     "fwd_block8": dict(fwd_block=8),
+    "save_states": dict(save_states=True),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
 }
-FWD_SAME = {"bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "window_dkv_8warps"}  # forward
+FWD_SAME = {"bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "window_dkv_8warps",
+            "save_states"}  # forward
 # as the defaults (rowsum_delta's training forward also writes the fp32 output copy: timed with fwd+bwd)
 
 

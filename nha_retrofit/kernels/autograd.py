@@ -21,9 +21,10 @@ class _NHAFunction(torch.autograd.Function):
         # exact delta = sum P * dP in the backward, else rowsum(dO * O) from an fp32 copy of the output
         exact = has_slots and chunk_fwd.CONFIG["exact_delta"] and chunk_fwd.CONFIG["slot_backward"] != "torch"
         want_f32 = any(ctx.needs_input_grad) and not exact
-        o, lse, _, o32 = chunk_fwd.forward(prep, scale, has_slots, want_f32=want_f32)
+        o, lse, states, o32 = chunk_fwd.forward(prep, scale, has_slots, want_f32=want_f32)
         o32 = o if o32 is None else o32
         ctx.prep, ctx.scale, ctx.has_slots, ctx.exact = prep, scale, has_slots, exact
+        ctx.states = states if chunk_fwd.CONFIG["save_states"] and any(ctx.needs_input_grad) else None
         ctx.bias_none = slot_bias is None
         ctx.save_for_backward(o32, lse)
         return o
@@ -46,12 +47,11 @@ class _NHAFunction(torch.autograd.Function):
         dqr = torch.zeros_like(dq)
         dkr = torch.zeros_like(dk)
         if ctx.has_slots:
-            if ctx.exact:
-                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, exact_delta=True)
-            elif chunk_fwd.CONFIG["slot_backward"] == "torch":
+            if chunk_fwd.CONFIG["slot_backward"] == "torch" and not ctx.exact:
                 dq, dk, dv, dla, dbias = slot_backward(p, do, lse, delta, scale)
             else:
-                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale)
+                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.exact, ctx.states)
+            ctx.states = None
         if p.W > 0:
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
             dv = dv + dv_w

@@ -341,6 +341,8 @@ CONFIG = {
     # o when delta is exact, only the logits must match the backward's)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
+    "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
+    # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so
     # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
 }
@@ -352,7 +354,8 @@ def fwd_warps(rows, dim):
 
 
 def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, want_f32=False):
-    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), the slot states (or None) and, with
+    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), the slot states and chunk decays
+    (Sk, Sv, dec) (or None) and, with
     `want_f32`, the output in fp32 (else None)."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
@@ -362,7 +365,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     if filled0 is None:
         filled0 = torch.zeros(B, dtype=torch.int32, device=dev)
     if has_slots:
-        sk = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_keys)
+        sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_keys, return_decay=True)
         sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
@@ -387,4 +390,4 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     )
     if want_f32 and o32 is None:
         o32 = o
-    return o, lse, ((sk, sv) if has_slots else None), o32
+    return o, lse, ((sk, sv, dec) if has_slots else None), o32

@@ -269,19 +269,23 @@ def slot_bwd_precision(prec):
     return "ieee" if prec == "ieee" else CONFIG.get("slot_bwd_precision", "tf32x3")
 
 
-def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False):
+def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=None):
     """Same outputs as `slot_bwd.slot_backward`: (dq, dk, dv, dlog_alpha, dslot_bias), fp32.
 
     With `exact_delta`, `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is
-    completed in place with the slot share, for the window backward that follows."""
+    completed in place with the slot share, for the window backward that follows. `states`: the forward's
+    (Sk, Sv, dec), else recomputed."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     n = p.nch
     L = n * CS
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    sk, dec = slot_states(p.k, p.log_alpha, p.mask, W, n, p.prec, return_decay=True)
-    sv = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
+    if states is None:
+        sk, dec = slot_states(p.k, p.log_alpha, p.mask, W, n, p.prec, return_decay=True)
+        sv = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
+    else:
+        sk, sv, dec = states
     dq = torch.empty(B, T, HQ, D, dtype=f32, device=dev)
     dbias = torch.zeros(HQ, dtype=f32, device=dev)
     E = torch.zeros(B, H, L, M, dtype=f32, device=dev)
