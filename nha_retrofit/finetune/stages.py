@@ -39,6 +39,16 @@ def snapshot_teacher(model) -> int:
     return sum(t.numel() for _, t in originals)
 
 
+def _uncached_autocast(model):
+    """Inside an autocast region, a region of its own that neither reads nor fills autocast's cache of weight casts:
+    that cache is keyed by the parameter, so it would hand the teacher the student's casts (or the reverse) although
+    teacher_mode swapped the weights' values."""
+    device = next(model.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
+
+
 @contextlib.contextmanager
 def teacher_mode(model):
     """The original model: every window full, LoRA adapters disabled, trained weights swapped for their original
@@ -55,7 +65,7 @@ def teacher_mode(model):
         for param, saved in originals:
             swapped.append((param, param.data))
             param.data = saved
-        with disable() if disable is not None else contextlib.nullcontext():
+        with disable() if disable is not None else contextlib.nullcontext(), _uncached_autocast(model):
             yield model
     finally:
         for param, trained in swapped:

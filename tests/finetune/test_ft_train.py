@@ -113,6 +113,44 @@ def test_teacher_is_the_original_model(world, trainable):
     assert [m.window for m in model.modules() if hasattr(m, "g_proj")] == [4, None, 4, 4]
 
 
+@pytest.mark.parametrize("student_first", [True, False])
+def test_teacher_and_student_share_one_autocast_region(world, student_first):
+    """bf16 autocast caches the casts of fp32 weights for a whole region: without care the teacher would reuse the
+    student's casts (or the student the teacher's) although teacher_mode swapped the weights. Training and evaluation
+    run both in one region, so each must match its own fresh region exactly."""
+    from nha_retrofit.finetune.model import load_model, resolve_source, select_trainable
+    from nha_retrofit.finetune.stages import snapshot_teacher, teacher_mode
+
+    model_path, data = world
+    spec = load_recipe(tiny_recipe(model_path, data, "unused", train={"trainable": "attention"}))
+    model = select_trainable(load_model(resolve_source(spec.model)), spec.train).eval()
+    snapshot_teacher(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and "proj" in name:
+                p.add_(torch.randn_like(p))
+    ids = torch.randint(0, 256, (2, 40))
+
+    def student():
+        return model(input_ids=ids, use_cache=False).logits
+
+    def teacher():
+        with teacher_mode(model):
+            return model(input_ids=ids, use_cache=False).logits
+
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    with torch.no_grad():
+        with autocast():
+            alone_student = student()
+        with autocast():
+            alone_teacher = teacher()
+        with autocast():
+            first, second = (student(), teacher()) if student_first else (teacher(), student())
+    shared_student, shared_teacher = (first, second) if student_first else (second, first)
+    assert (alone_student - alone_teacher).abs().max() > 1e-2
+    assert torch.equal(shared_student, alone_student) and torch.equal(shared_teacher, alone_teacher)
+
+
 def test_attention_transfer_trains_only_gates(world, tmp_path):
     """Stage 1's target is the original layer output only if the projections stay frozen: only gates move."""
     model, data = world
