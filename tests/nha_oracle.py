@@ -7,8 +7,10 @@ shares no code and no algebra with the package's implementations.
 import torch
 
 
-def make_inputs(batch, length, q_heads, kv_heads, head_dim, slots, *, dtype=torch.float64, value_dim=None, seed=None):
-    """Fresh random NHA inputs (never zeros); gates spread over strong and weak decay."""
+def make_inputs(batch, length, q_heads, kv_heads, head_dim, slots, *, dtype=torch.float64, value_dim=None, seed=None,
+                decay=1.0):
+    """Fresh random NHA inputs (never zeros); gates spread over strong and weak decay. `decay` scales log(alpha):
+    8 gives a mean of about -6 per token (hundreds over a 64-token chunk), as gates trained to reset slots do."""
     gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     value_dim = value_dim or head_dim
 
@@ -22,7 +24,7 @@ def make_inputs(batch, length, q_heads, kv_heads, head_dim, slots, *, dtype=torc
         v=rand(batch, length, kv_heads, value_dim),
         q_rope=rand(batch, length, q_heads, head_dim),
         k_rope=rand(batch, length, kv_heads, head_dim),
-        log_alpha=(torch.nn.functional.logsigmoid(gate_logits.double()) / 2).to(dtype),
+        log_alpha=(torch.nn.functional.logsigmoid(gate_logits.double()) / 2 * decay).to(dtype),
         slot_bias=rand(q_heads),
         scale=head_dim**-0.5,
     )

@@ -139,6 +139,29 @@ def test_float32_chunked_is_close_to_float64_reference():
     assert out.dtype == torch.float32 and rel < 1e-5
 
 
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_float32_chunked_stays_exact_under_strong_decay(chunk_size):
+    """Gates that nearly reset the slots every token (log alpha ~ -6, hundreds over a chunk) must not overflow the
+    chunked form's intra-chunk decays, forward or backward."""
+    inputs = make_inputs(2, 150, 4, 2, 16, 16, dtype=torch.float32, decay=8.0)
+    assert (inputs["log_alpha"][0, :-64].sum(0) < -150).all()
+    names = OPERATOR_ARGS + ("slot_bias",)
+    dO = torch.randn(2, 150, 4, 16)
+    mask = padding_mask(2, 150, "left")
+
+    def out_and_grads(fn, dtype, **kwargs):
+        xs = [inputs[n].to(dtype).requires_grad_() for n in names]
+        out = fn(*xs[:6], window=3, scale=inputs["scale"], attention_mask=mask, slot_bias=xs[6], **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return [out, *torch.autograd.grad(out, xs, dO.to(dtype))]
+
+    expected = out_and_grads(nha_reference, torch.float64)
+    for name, got, want in zip(("out",) + names, out_and_grads(nha_chunked, torch.float32, chunk_size=chunk_size),
+                               expected):
+        assert torch.isfinite(got).all(), name
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-4, name
+
+
 @pytest.mark.parametrize("window", [0, 2, 5, None])
 def test_gradients_match_float64_gradcheck(window):
     inputs = make_inputs(2, 7, 4, 2, 3, 3)
