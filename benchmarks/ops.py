@@ -211,6 +211,7 @@ VARIANTS = {  # CONFIG overrides of nha_retrofit.kernels.chunk_fwd (tests/kernel
     "save_states": dict(save_states=True),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
+    "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
 }
 FWD_SAME = {"bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "window_dkv_8warps",
             "save_states"}  # forward

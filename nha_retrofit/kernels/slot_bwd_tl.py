@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CONFIG, CS, EXP_CLAMP, _row_decay, slot_states
+from .chunk_fwd import CONFIG, CS, EXP_CLAMP, _row_decay, alloc, slot_states
 from .slot_bwd import reverse_scan
 
 BD = 64  # columns per pass over D
@@ -286,11 +286,11 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
         sv = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
     else:
         sk, sv, dec = states
-    dq = torch.empty(B, T, HQ, D, dtype=f32, device=dev)
+    dq = alloc(B, T, HQ, D, dtype=f32, device=dev)
     dbias = torch.zeros(HQ, dtype=f32, device=dev)
     E = torch.zeros(B, H, L, M, dtype=f32, device=dev)
-    wk = torch.empty(B, T, HQ, M, dtype=f32, device=dev)
-    wv = torch.empty(B, T, HQ, M, dtype=f32, device=dev)
+    wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
+    wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
     ck = torch.zeros(B, H, n, M, D, dtype=f32, device=dev)
     cv = torch.zeros(B, H, n, M, DV, dtype=f32, device=dev)
     BR = max(16, triton.next_power_of_2(BQ * G))
@@ -315,8 +315,8 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
             y, wst, rx, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
             out.stride(2), *sg, T, W, n, DX=dx, **gmeta,
         )
-    dA = torch.empty(B, H, L, M, dtype=f32, device=dev)
-    xa = torch.empty(B, H, L, M, dtype=f32, device=dev)
+    dA = alloc(B, H, L, M, dtype=f32, device=dev)
+    xa = alloc(B, H, L, M, dtype=f32, device=dev)
     _keys_da_kernel[(n, B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, **meta,
     )
