@@ -1,8 +1,10 @@
 """Triton backward of the sliding-window half of NHA, flash style, fed the JOINT log-sum-exp L (slots and
-window under one softmax) and delta = rowsum(dO * O): p = exp(s - L), ds = p * (dO . v - delta).
+window under one softmax) and delta = sum P * dP = rowsum(dO * O): p = exp(s - L), ds = p * (dO . v - delta).
 
 Two kernels: `_dq_kernel` per query block (rows = CQ tokens x G query heads of one kv head) and
 `_dkv_kernel` per key block, looping over the query blocks that see it (keys j are seen by t in j .. j+W-1).
+`window_delta` runs `_dq_kernel` in a delta mode first: the window share of an exact delta (the slot
+backward adds the slot share), instead of rowsum(dO * O) from a rounded output.
 """
 
 import os
