@@ -179,6 +179,11 @@ def parts(T=32768, w=64):
     out["prepare"] = bench(lambda: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],
                                                       x["log_alpha"], w, None, x["slot_bias"]))
     out["slot_states(k)"] = bench(lambda: chunk_fwd.slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec))
+    for tile in ((8, 32), (4, 32)):
+        chunk_fwd.CONFIG["scan_tile"] = tile
+        out[f"slot_states(k), scan tile {tile}"] = bench(
+            lambda: chunk_fwd.slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec))
+    chunk_fwd.CONFIG["scan_tile"] = None
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
     out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
     out["fwd total + fp32 copy"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True, want_f32=True))
@@ -209,6 +214,8 @@ VARIANTS = {  # CONFIG overrides of nha_retrofit.kernels.chunk_fwd (tests/kernel
     "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
     "fwd_block8": dict(fwd_block=8),
     "save_states": dict(save_states=True),
+    "scan_tile_8x32": dict(scan_tile=(8, 32)),
+    "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
     "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),

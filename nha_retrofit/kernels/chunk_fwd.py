@@ -307,6 +307,13 @@ class Prepared:
         self.nch = triton.cdiv(self.T, CS)
 
 
+def scan_tile(M, DX, rows):
+    """[slots x columns] tile of one program of the sequential scans over chunks (more programs = more
+    loads in flight): CONFIG["scan_tile"], else `rows` x 64."""
+    bm, bd = CONFIG["scan_tile"] or (rows, 64)
+    return min(M, bm), min(bd, triton.next_power_of_2(DX))
+
+
 def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=False):
     """Slot state before each stream chunk of CS tokens, and the final one: [B, H, nch + 1, M, DX] fp32.
 
@@ -322,7 +329,7 @@ def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=Fal
         T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(prec), num_warps=4,
     )
     s0 = initial.contiguous().float() if initial is not None else out
-    BM, BDS = min(M, 16), min(64, triton.next_power_of_2(DX))
+    BM, BDS = scan_tile(M, DX, 16)
     _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
         out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
     )
@@ -341,6 +348,8 @@ CONFIG = {
     # o when delta is exact, only the logits must match the backward's)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
+    "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
+    # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so

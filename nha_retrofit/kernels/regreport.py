@@ -59,7 +59,7 @@ def cases(HQ, H, D, M):
     pow2 = triton.next_power_of_2
     out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
-           ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BD=min(64, D)), 4, 2)]
+           ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     for cq, split, sprec, vprec in [(16, False, "tf32x3", "tf32x3"), (16, False, "tf32", "tf32"),
                                     (16, True, "tf32x3", "tf32x3"), (16, True, "tf32x3", "tf32"),
                                     (16, True, "tf32", "tf32"), (8, True, "tf32x3", "tf32x3"),

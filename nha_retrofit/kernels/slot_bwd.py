@@ -19,20 +19,21 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CS, EXP_CLAMP, alloc, slot_states
+from .chunk_fwd import CS, EXP_CLAMP, alloc, scan_tile, slot_states
 
 
 @triton.jit
-def _rev_scan_kernel(CONT, DEC, R, NCH, M: tl.constexpr, DX: tl.constexpr, BD: tl.constexpr):
+def _rev_scan_kernel(CONT, DEC, R, NCH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
     """R[c] = sum_{c' > c} (prod_{c < c'' < c'} dec[c'']) * cont[c']: gradient w.r.t. the state after chunk c."""
-    pid_d = tl.program_id(0)
+    pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    offs_m = tl.arange(0, M)
-    offs_d = pid_d * BD + tl.arange(0, BD)
+    NDB: tl.constexpr = (DX + BD - 1) // BD
+    offs_m = (pid_t // NDB) * BM + tl.arange(0, BM)
+    offs_d = (pid_t % NDB) * BD + tl.arange(0, BD)
     dmask = offs_d < DX
     tile = offs_m[:, None] * DX + offs_d[None, :]
     base = pid_bh.to(tl.int64) * NCH
-    acc = tl.zeros([M, BD], dtype=tl.float32)
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
     for i in range(NCH):
         c = NCH - 1 - i
         tl.store(R + (base + c) * M * DX + tile, acc, mask=dmask[None, :])
@@ -52,8 +53,9 @@ def reverse_scan(cont, dec):
             acc = dec[:, :, c, :, None] * acc + cont[:, :, c]
         return out
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
-    BD = min(64, triton.next_power_of_2(X))
-    _rev_scan_kernel[(triton.cdiv(X, BD), B * H)](cont, dec, out, n, M=M, DX=X, BD=BD, num_warps=4)
+    BM, BD = scan_tile(M, X, M)
+    _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), B * H)](cont, dec, out, n, M=M, DX=X, BM=BM, BD=BD,
+                                                              num_warps=4, num_stages=3)
     return out
 
 
