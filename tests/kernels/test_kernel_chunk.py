@@ -65,8 +65,8 @@ def poison():
     chunk_fwd.POISON = False
 
 
-def cuda_inputs(T, HQ, H, D, M, dtype, batch):
-    inputs = make_inputs(batch, T, HQ, H, D, M, dtype=torch.float32)
+def cuda_inputs(T, HQ, H, D, M, dtype, batch, decay=1.0):
+    inputs = make_inputs(batch, T, HQ, H, D, M, dtype=torch.float32, decay=decay)
     out = {n: inputs[n].cuda() for n in NAMES}
     out["scale"] = inputs["scale"]
     out["dO"] = torch.randn(batch, T, HQ, D, device="cuda").to(dtype)
@@ -74,9 +74,9 @@ def cuda_inputs(T, HQ, H, D, M, dtype, batch):
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:]))
-def test_forward_backward_matches_float64_reference(combo):
+def test_forward_backward_matches_float64_reference(combo, decay=1.0):
     T, HQ, H, D, M, window, dtype, batch = combo
-    inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch)
+    inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch, decay)
     mask = padding_mask(batch, T, "left").cuda()
     x = {n: inputs[n].to(dtype).detach().requires_grad_(True) for n in NAMES}
     out = nha_attention(*[x[n] for n in NAMES[:6]], window, inputs["scale"], mask, x["slot_bias"])
@@ -178,3 +178,13 @@ def test_config_variants_match_float64_reference(combo, variant, monkeypatch):
     for key, value in VARIANTS[variant].items():
         monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
     test_forward_backward_matches_float64_reference(combo)
+
+
+@pytest.mark.xfail(strict=False, reason="intra-block decays are factored around the block start and clamped at "
+                   "exp(80): wrong once a block's tokens decay by more than ~80 nats (NOTES.md, what is left)")
+@pytest.mark.parametrize("combo", [COMBOS[4], COMBOS[11]],
+                         ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:]))
+def test_strong_decay(combo):
+    """Gates that reset the slots (log alpha ~ -6 per token): reported, known to fail (interpreter: output
+    error 0.15 with 16-token forward blocks, 0.01 with 8)."""
+    test_forward_backward_matches_float64_reference(combo, decay=8.0)
