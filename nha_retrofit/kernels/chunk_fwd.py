@@ -15,13 +15,13 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
    values, and stores o and the joint log-sum-exp L (natural log; +inf for rows with nothing visible, so a
    backward pass gets exp(s - L) = 0 there).
 
-With CONFIG["fwd_split"] (default) the slot part takes q, k and the state in 64-column passes, the row
-decays from a cumsum over the rows, and the value read in two column halves of the accumulator, so fewer
-[rows x 128] fp32 tiles are live at once (register spills, `regreport.py`).
-
 Intra-chunk decays are factored around a reference point at the start of the query block: for rows of the
-block and earlier tokens of the chunk both factors are <= 1; only tokens inside the CQ-token block get a
-factor exp(a_ref - a_j) >= 1, bounded by the decay of CQ tokens (clamped at exp(80) against overflow).
+block and earlier tokens of the chunk both factors are <= 1. With CONFIG["fwd_split"] (default) the block's
+own tokens get direct weights exp(a_u - a_j) s_j (a loop of CQ rank-1 updates), exact under any decay; the
+slot part takes q, k and the state in 64-column passes, the row decays from a cumsum over the rows, and the
+value read in two column halves of the accumulator, so fewer [rows x 128] fp32 tiles are live at once
+(register spills, `regreport.py`). Without it (v3) the in-block factor exp(a_ref - a_j) >= 1 is clamped at
+exp(80): wrong once a block's tokens decay by more than ~80 nats.
 """
 
 import torch
@@ -115,6 +115,19 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.const
 
 
 @triton.jit
+def _block_token_weight(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr):
+    """Direct slot weights [rows, M] of token j (a token of the query block) for the rows that see it:
+    exp(a_u - a_j) s_j = exp(a_in - cum) s_j, with cum the block's summed log gates up to j (updated)."""
+    offs_m = tl.arange(0, M)
+    ok = (j >= 0) & (j < T - W) & (tl.load(MASK + b * T + tl.minimum(tl.maximum(j, 0), T - 1)) > 0)
+    jc = tl.where(ok, j, 0).to(tl.int64)  # a valid address either way (no scalar masks: the interpreter lacks them)
+    g = tl.where(ok, tl.load(G + b * sg_b + jc * sg_t + h * sg_h + offs_m).to(tl.float32), 0.0)
+    cum = cum + g
+    w = tl.where(seen[:, None], tl.exp(a_in - cum[None, :]), 0.0) * (1.0 - tl.exp(g))[None, :]
+    return w, cum
+
+
+@triton.jit
 def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr):
     """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
     acc += tl.dot(pc, tl.load(SVP + cols[None, :]), input_precision=VPREC)
@@ -200,10 +213,13 @@ def _fwd_kernel(
         a = tl.cumsum(g, axis=0)  # [CS, M], from the chunk start, inclusive
         a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)  # decay before the query block
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
-        kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
         krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
         if SPLIT:  # row decays by a cumsum over the rows, D in column passes of BDS: fewer live registers
+            # factored weights only for the tokens before the block (both factors <= 1); the block's own
+            # tokens get direct weights below, so no decay can overflow or be clamped
+            kw = tl.where(jr[:, None] & (offs_u < off)[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a),
+                          0.0)
             a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
             e_in = tl.exp(a_in)  # <= 1 for rows of this block
             e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
@@ -217,6 +233,7 @@ def _fwd_kernel(
                 qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
                 x_car += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
         else:
+            kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
             q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
             a_row = tl.dot(causal.to(tl.float32), g, input_precision="ieee")  # a at each row's position
             e_in = tl.exp(a_row - a_ref[None, :])  # <= 1 for rows of this block
@@ -226,9 +243,15 @@ def _fwd_kernel(
             sk = tl.load(SK + st * M * D + offs_m[:, None] * D + offs_d[None, :])
             x_car = tl.dot(q.to(tl.float32), tl.trans(sk), input_precision=SPREC)
         qk = tl.where(causal, qk, 0.0)
-        x_in = tl.dot(qk, kw, input_precision=SPREC)
+        x_in = tl.dot(qk, kw, input_precision=SPREC) * e_in
+        if SPLIT:
+            cum = tl.zeros([M], dtype=tl.float32)
+            for jj in range(CQB):
+                w_j, cum = _block_token_weight(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+                x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * w_j
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
-        logits = (x_in * e_in + x_car * e_car) * scale + bias[:, None]
+        logits = (x_in + x_car * e_car) * scale + bias[:, None]
         first = tl.load(FIRST + b)
         filled0 = tl.load(FILLED0 + b)
         readable = active & ((filled0 > 0) | (t - W >= first))
@@ -242,6 +265,12 @@ def _fwd_kernel(
         m_i = m_new
         pc = p * e_car
         wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=VPREC), 0.0)
+        if SPLIT:
+            cum = tl.zeros([M], dtype=tl.float32)
+            for jj in range(CQB):
+                w_j, cum = _block_token_weight(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+                wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * w_j, 1)[:, None], wm)
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if SPLIT and DV == 2 * BDS:  # the value read in two column halves of acc
