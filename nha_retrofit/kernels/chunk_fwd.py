@@ -115,16 +115,15 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.const
 
 
 @triton.jit
-def _block_token_weight(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr):
-    """Direct slot weights [rows, M] of token j (a token of the query block) for the rows that see it:
-    exp(a_u - a_j) s_j = exp(a_in - cum) s_j, with cum the block's summed log gates up to j (updated)."""
+def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr):
+    """Token j of the query block: its decays to the rows that see it, exp(a_u - a_j) = exp(a_in - cum)
+    [rows, M] (cum: the block's summed log gates up to j, updated), and its write weight s_j [M]."""
     offs_m = tl.arange(0, M)
     ok = (j >= 0) & (j < T - W) & (tl.load(MASK + b * T + tl.minimum(tl.maximum(j, 0), T - 1)) > 0)
     jc = tl.where(ok, j, 0).to(tl.int64)  # a valid address either way (no scalar masks: the interpreter lacks them)
     g = tl.where(ok, tl.load(G + b * sg_b + jc * sg_t + h * sg_h + offs_m).to(tl.float32), 0.0)
     cum = cum + g
-    w = tl.where(seen[:, None], tl.exp(a_in - cum[None, :]), 0.0) * (1.0 - tl.exp(g))[None, :]
-    return w, cum
+    return tl.where(seen[:, None], tl.exp(a_in - cum[None, :]), 0.0), 1.0 - tl.exp(g), cum
 
 
 @triton.jit
@@ -247,9 +246,9 @@ def _fwd_kernel(
         if SPLIT:
             cum = tl.zeros([M], dtype=tl.float32)
             for jj in range(CQB):
-                w_j, cum = _block_token_weight(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
-                x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * w_j
+                e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                                   a_in, tok >= jj, M)
+                x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
         logits = (x_in + x_car * e_car) * scale + bias[:, None]
         first = tl.load(FIRST + b)
@@ -268,9 +267,9 @@ def _fwd_kernel(
         if SPLIT:
             cum = tl.zeros([M], dtype=tl.float32)
             for jj in range(CQB):
-                w_j, cum = _block_token_weight(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
-                wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * w_j, 1)[:, None], wm)
+                e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                                   a_in, tok >= jj, M)
+                wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if SPLIT and DV == 2 * BDS:  # the value read in two column halves of acc

@@ -79,7 +79,7 @@ def cases(HQ, H, D, M):
             ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     br = max(16, pow2(bq * G))
     sconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=bq, CSZ=cs, BR=br, BD=min(64, D), PREC="tf32",
-                   SPREC="tf32x3", CLAMP=cf.EXP_CLAMP)
+                   SPREC="tf32x3")
     gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
     out += [("slot bwd rows", slot_bwd_tl._rows_kernel, dict(sconsts, EXACT_DELTA=True), 8, 1),
             ("slot bwd keys_grad", slot_bwd_tl._keys_grad_kernel, dict(gconsts, DX=D), 8, 1),

@@ -8,14 +8,17 @@ this file above the H200's shared memory and spilling registers).
 - `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
   the slot logits and dP = dO . Sv_u, completes an exact delta if asked, forms dl = P (dP - delta), and
   writes dq (slot part), the slot_bias gradient (atomics), E[u] = sum_g (dl * l + P * dP) (atomics over the
-  G heads), the row weights Wk = scale dl exp(a_u - a_ref),
-  Wv = P exp(a_u - a_ref) for the key passes, and adds the chunk's state-gradient contributions
-  (scale dl exp(a_u))^T q and (P exp(a_u))^T dO into per-chunk buffers (atomics; CS / BQ blocks per chunk).
+  G heads), the row weights Wk = scale dl, Wv = P for the key passes, and adds the chunk's state-gradient
+  contributions (scale dl exp(a_u))^T q and (P exp(a_u))^T dO into per-chunk buffers (atomics; CS / BQ blocks
+  per chunk).
 - `_rev_scan_kernel` (slot_bwd.py): state gradients after each chunk.
 - `_keys_grad_kernel`, per (64-token stream chunk, kv head, BD columns), launched once for dk and once for
-  dv: dX = to_end R + sum over the chunk's query blocks of (W kw^T, causal)^T Y.
+  dv: dX = to_end R + sum over the chunk's query blocks of (slot-weighted W, causal)^T Y.
 - `_keys_da_kernel`, per (chunk, kv head): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term; a reverse
   cumulative sum in PyTorch finishes dlog_alpha.
+Inside a query block the tokens' slot weights exp(a_u - a_j) s_j are formed directly (loops of BQ rank-1
+updates, as the forward), so no decay overflows; tokens before the block use exp(a_u - a_ref) exp(a_ref - a_j),
+both <= 1. The row weights Wk, Wv are stored without decay factors.
 fp32 products use CONFIG["slot_bwd_precision"] (3xTF32 by default: plain TF32 broke the log_alpha gradient,
 NOTES.md v2); products of two bf16/fp16 operands are exact in fp32 accumulation.
 """
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CONFIG, CS, EXP_CLAMP, _row_decay, alloc, slot_states
+from .chunk_fwd import CONFIG, CS, _block_token_decay, _row_decay, alloc, slot_states
 from .slot_bwd import reverse_scan
 
 BD = 64  # columns per pass over D
@@ -55,7 +58,7 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, CLAMP: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -85,7 +88,7 @@ def _rows_kernel(
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
     causal = offs_u[None, :] <= (off + tok)[:, None]
     a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-    kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
+    kw = tl.where(jr[:, None] & (offs_u < off)[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
     a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
     e_in = tl.exp(a_in)
     e_car = tl.exp(a_in + a_ref[None, :])
@@ -110,10 +113,19 @@ def _rows_kernel(
         svd = tl.load(SV + st * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
         ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
         xv += tl.dot(dod.to(tl.float32), tl.trans(svd), input_precision=SPREC)
-    lraw = (tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in + xc * e_car) * scale
+    x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
+    x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
+    cum = tl.zeros([M], dtype=tl.float32)
+    for jj in range(CQB):  # the block's own tokens: direct weights, as the forward
+        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                           tok >= jj, M)
+        sel = offs_u[None, :] == off + jj
+        x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
+        x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
+    lraw = (x_in + xc * e_car) * scale
     bias = tl.load(BIAS + hq, mask=tv, other=0.0)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
-    dp = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in + xv * e_car
+    dp = x_ov + xv * e_car
     if EXACT_DELTA:  # DELTA holds the window share of sum P * dP: add the slot share, keep it for the window
         delta += tl.sum(p * dp, 1)
         tl.store(DELTA + lrow, delta, mask=tv)
@@ -124,11 +136,16 @@ def _rows_kernel(
     # E per stream position (sum over the G heads of a token) and the row weights of the key passes
     e_off = (pid_bh.to(tl.int64) * L + t) * M
     tl.atomic_add(E + e_off[:, None] + offs_m[None, :], dl * lraw + p * dp, mask=tv[:, None])
-    tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk * e_in, mask=tv[:, None])
-    tl.store(WV + lrow[:, None] * M + offs_m[None, :], p * e_in, mask=tv[:, None])
+    tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
+    tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
     # dq (slot part) and the contributions to the gradient w.r.t. the state before chunk c
     bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    cum = tl.zeros([M], dtype=tl.float32)
+    for jj in range(CQB):
+        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                           tok >= jj, M)
+        bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
     wc = wk * e_car
     cidx = pid_bh.to(tl.int64) * NCH + c
     for d0 in range(0, D, BD):
@@ -153,7 +170,6 @@ def _keys_grad_kernel(
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-    CLAMP: tl.constexpr,
 ):
     """OUT[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols] for the chunk's tokens
     (dk with (Y, W, R) = (q, Wk, Rk); dv with (dO, Wv, Rv))."""
@@ -181,11 +197,17 @@ def _keys_grad_kernel(
         tv = rok & (t < T)
         causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
         a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-        # the forward's intra factors of this block: only tokens up to the block's end
-        kw = tl.where((offs_u < off + CQB)[:, None], s * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
+        # tokens before the block: factored weights (both factors <= 1); the block's own: direct ones
+        kw = tl.where((offs_u < off)[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
         wst = tl.load(WST + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :],
                       mask=tv[:, None], other=0.0)
-        bx = tl.where(causal, tl.dot(wst, tl.trans(kw), input_precision=SPREC), 0.0)  # [BR, CS]
+        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+        bx = tl.where(causal, tl.dot(wst * tl.exp(a_in), tl.trans(kw), input_precision=SPREC), 0.0)  # [BR, CS]
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            bx = tl.where(offs_u[None, :] == off + jj, tl.sum(wst * e_j * s_j[None, :], 1)[:, None], bx)
         yrow = b * sy_b + t.to(tl.int64) * sy_t + hq * DX
         y = tl.load(Y + yrow[:, None] + offs_c[None, :], mask=tv[:, None], other=0.0)
         acc += tl.dot(tl.trans(bx), y.to(tl.float32), input_precision=SPREC)
@@ -201,7 +223,7 @@ def _keys_da_kernel(
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, CLAMP: tl.constexpr,
+    SPREC: tl.constexpr,
 ):
     """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>."""
     c = tl.program_id(0)
@@ -251,10 +273,19 @@ def _keys_da_kernel(
         w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
         wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
         wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
-        intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk, input_precision=SPREC)
-                 + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv, input_precision=SPREC))
-        eneg = tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP))
-        uv += intra * tl.where((offs_u < off + CQB)[:, None], eneg, 0.0)
+        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+        e_in = tl.exp(a_in)
+        intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, input_precision=SPREC)
+                 + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, input_precision=SPREC))
+        uv += intra * tl.where((offs_u < off)[:, None], tl.exp(a_ref[None, :] - a), 0.0)  # tokens before the block
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):  # the block's own tokens
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            sel = offs_u[None, :] == off + jj
+            row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
+                            + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
+            uv += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
     u = cs0 + offs_u
     e_off = (pid_bh.to(tl.int64) * L + u) * M
     e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
@@ -300,7 +331,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     strides = (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
                p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
     meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, PREC=p.prec, SPREC=sprec,
-                CLAMP=EXP_CLAMP, num_warps=8, num_stages=1)
+                num_warps=8, num_stages=1)
     _rows_kernel[(triton.cdiv(T, BQ), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), EXACT_DELTA=exact_delta, **meta,
@@ -308,7 +339,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
     dk = torch.zeros(B, T, H, D, dtype=f32, device=dev)
     dv = torch.zeros(B, T, H, DV, dtype=f32, device=dev)
-    gmeta = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec, CLAMP=EXP_CLAMP,
+    gmeta = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                  num_warps=8, num_stages=1)
     for y, wst, rx, out, dx in ((p.q, wk, rk, dk, D), (do, wv, rv, dv, DV)):
         _keys_grad_kernel[(n, B * H, dx // bd_)](
