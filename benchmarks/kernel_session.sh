@@ -32,14 +32,16 @@ if $PY -c "import pytest_timeout" 2>/dev/null; then PT+=(--timeout=90); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 # most important first: a step that runs out of time loses the least
-VARIANTS=defaults,values_tf32,fwd_tf32,fwd_block8,fwd_block8_values_tf32,fwd_block8_tf32,fwd_v3,save_states
-VARIANTS=$VARIANTS,scan_tile_8x32,scan_tile_4x32,rowsum_delta,bwd_tf32,window_dkv_8warps,torch_slot_bwd
-step tests 160 $PY "${PT[@]}" tests/kernels -k "not config_variants"
-step parts_variants 150 $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \
-  --variants $VARIANTS \
+# a shorter session: BUDGET, the CAP_* step limits, VARIANTS and OPS_LENGTHS from the environment
+DEFAULT_VARIANTS=defaults,values_tf32,fwd_tf32,fwd_block8,fwd_block8_values_tf32,fwd_block8_tf32,fwd_v3,save_states
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,scan_tile_8x32,scan_tile_4x32,rowsum_delta,bwd_tf32,window_dkv_8warps,torch_slot_bwd
+VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
+step tests "${CAP_TESTS:-160}" $PY "${PT[@]}" tests/kernels -k "not config_variants"
+step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \
+  --variants "$VARIANTS" \
   --skip nha,sdpa,decode --out-dir "$OUT/parts"
-step ops 110 $PY benchmarks/ops.py --out-dir "$OUT"
-step tests_variants 100 $PY "${PT[@]}" tests/kernels -k "config_variants"
+step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
+step tests_variants "${CAP_TVARIANTS:-100}" $PY "${PT[@]}" tests/kernels -k "config_variants"
 
 {
   echo; echo "# summary"
