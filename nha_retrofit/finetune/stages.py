@@ -39,14 +39,17 @@ def snapshot_teacher(model) -> int:
     return sum(t.numel() for _, t in originals)
 
 
-def _uncached_autocast(model):
-    """Inside an autocast region, a region of its own that neither reads nor fills autocast's cache of weight casts:
-    that cache is keyed by the parameter, so it would hand the teacher the student's casts (or the reverse) although
-    teacher_mode swapped the weights' values."""
-    device = next(model.parameters()).device.type
-    if not torch.is_autocast_enabled(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
+@contextlib.contextmanager
+def _fresh_autocast_casts():
+    """Autocast caches the low-precision copies of fp32 weights until its outermost region ends, keyed by the
+    parameter: across a swap of the weights' values the teacher would reuse the student's copies, or the student the
+    teacher's. Nested regions cannot prevent it (accelerate's forward wrapper opens a caching region of its own), so
+    the cache is emptied on entering and on leaving the teacher."""
+    torch.clear_autocast_cache()
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()
 
 
 @contextlib.contextmanager
@@ -65,7 +68,7 @@ def teacher_mode(model):
         for param, saved in originals:
             swapped.append((param, param.data))
             param.data = saved
-        with disable() if disable is not None else contextlib.nullcontext(), _uncached_autocast(model):
+        with disable() if disable is not None else contextlib.nullcontext(), _fresh_autocast_casts():
             yield model
     finally:
         for param, trained in swapped:

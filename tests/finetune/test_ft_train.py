@@ -114,10 +114,13 @@ def test_teacher_is_the_original_model(world, trainable):
 
 
 @pytest.mark.parametrize("student_first", [True, False])
-def test_teacher_and_student_share_one_autocast_region(world, student_first):
+@pytest.mark.parametrize("wrapper", ["none", "accelerate"])
+def test_teacher_and_student_share_one_autocast_region(world, student_first, wrapper):
     """bf16 autocast caches the casts of fp32 weights for a whole region: without care the teacher would reuse the
     student's casts (or the student the teacher's) although teacher_mode swapped the weights. Training and evaluation
-    run both in one region, so each must match its own fresh region exactly."""
+    run both in one region, so each must match its own fresh region exactly; also when accelerate's mixed-precision
+    wrapper opens a caching region of its own inside every forward (what the trainer runs; a GPU run trained and
+    scored the wrong weights before this was handled)."""
     from nha_retrofit.finetune.model import load_model, resolve_source, select_trainable
     from nha_retrofit.finetune.stages import snapshot_teacher, teacher_mode
 
@@ -130,6 +133,10 @@ def test_teacher_and_student_share_one_autocast_region(world, student_first):
             if p.requires_grad and "proj" in name:
                 p.add_(torch.randn_like(p))
     ids = torch.randint(0, 256, (2, 40))
+    if wrapper == "accelerate":
+        from accelerate import Accelerator
+
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
 
     def student():
         return model(input_ids=ids, use_cache=False).logits
