@@ -24,6 +24,8 @@ value read in two column halves of the accumulator, so fewer [rows x 128] fp32 t
 exp(80): wrong once a block's tokens decay by more than ~80 nats.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,18 @@ CQ = 16  # query tokens per program of the fused kernel
 CS = 64  # tokens per slot-state chunk (multiple of CQ)
 EXP_CLAMP = 80.0
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
+
+
+def launched(name):
+    """After a kernel launch: with CONFIG["debug_sync"] (or NHA_KERNEL_SYNC=1) synchronize and name the kernel
+    in any CUDA error, so an asynchronous fault (illegal memory access) is pinned to the kernel that made it
+    instead of surfacing at a later launch. A no-op otherwise (and on the CPU interpreter)."""
+    if not (CONFIG.get("debug_sync") or os.environ.get("NHA_KERNEL_SYNC") == "1") or not torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the kernel's name
+        raise RuntimeError(f"CUDA error in or before NHA kernel {name}: {exc}") from exc
 
 
 def alloc(*shape, dtype, device):
@@ -356,11 +370,13 @@ def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=Fal
         x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
         T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(prec), num_warps=4,
     )
+    launched("chunk_update")
     s0 = initial.contiguous().float() if initial is not None else out
     BM, BDS = scan_tile(M, DX, 16)
     _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
         out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
     )
+    launched("state_scan")
     return (out, dec) if return_decay else out
 
 
@@ -380,6 +396,8 @@ CONFIG = {
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
+    "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
+    # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
     "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so
     # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
 }
@@ -425,6 +443,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         SPLIT=CONFIG["fwd_split"], BDS=min(64, D), VPREC=value_precision(p.prec),
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
+    launched("fused forward")
     if want_f32 and o32 is None:
         o32 = o
     return o, lse, ((sk, sv, dec) if has_slots else None), o32

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..modeling.nha_state import NHAState
-from .chunk_fwd import alloc
+from .chunk_fwd import alloc, launched
 
 
 @triton.jit
@@ -116,6 +116,7 @@ def nha_recurrent_step_triton(
         HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=BR, BN=64, PREC=prec,
         num_warps=4,
     )
+    launched("decode")
     filled = state.slots_filled | wmask[:, :leaving].any(1) if leaving > 0 else state.slots_filled
     new_state = NHAState(
         new_sk, new_sv, filled, wk[:, leaving:], wkr[:, leaving:], wv[:, leaving:], wla[:, leaving:],

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CS, EXP_CLAMP, alloc, scan_tile, slot_states
+from .chunk_fwd import CS, EXP_CLAMP, alloc, launched, scan_tile, slot_states
 
 
 @triton.jit
@@ -56,6 +56,7 @@ def reverse_scan(cont, dec):
     BM, BD = scan_tile(M, X, M)
     _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), B * H)](cont, dec, out, n, M=M, DX=X, BM=BM, BD=BD,
                                                               num_warps=4, num_stages=3)
+    launched("rev_scan")
     return out
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CONFIG, CS, _block_token_decay, _row_decay, alloc, slot_states
+from .chunk_fwd import CONFIG, CS, _block_token_decay, _row_decay, alloc, launched, slot_states
 from .slot_bwd import reverse_scan
 
 BD = 64  # columns per pass over D
@@ -336,6 +336,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), EXACT_DELTA=exact_delta, **meta,
     )
+    launched("slot bwd rows")
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
     dk = torch.zeros(B, T, H, D, dtype=f32, device=dev)
     dv = torch.zeros(B, T, H, DV, dtype=f32, device=dev)
@@ -346,11 +347,13 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
             y, wst, rx, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), out.stride(0), out.stride(1),
             out.stride(2), *sg, T, W, n, DX=dx, **gmeta,
         )
+        launched("slot bwd keys_grad")
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
     _keys_da_kernel[(n, B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, **meta,
     )
+    launched("slot bwd keys_da")
     dga = dA.flip(2).cumsum(2).flip(2) + xa  # [B, H, L, M] over stream positions u = j + W
     dla = torch.zeros(B, T, H, M, dtype=f32, device=dev)
     if T > W:

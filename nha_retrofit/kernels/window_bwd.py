@@ -159,6 +159,7 @@ def window_delta(p, do, lse, scale):
         args, meta = _launch(p, do, scale)
         _dq_kernel[(triton.cdiv(p.T, CQ), p.B * p.H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta,
                                                        *args, DELTA_ONLY=True, **meta)
+        chunk_fwd.launched("window delta")
     return delta
 
 
@@ -173,8 +174,10 @@ def window_backward(p, do, lse, delta, scale):
     BN = meta["BN"]
     _dq_kernel[(triton.cdiv(T, CQ), B * H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args,
                                             DELTA_ONLY=False, **meta)
+    chunk_fwd.launched("window dq")
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
     _dkv_kernel[(triton.cdiv(T, BN), B * H)](
         p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta
     )
+    chunk_fwd.launched("window dkv")
     return dqr, dkr, dv

@@ -1,0 +1,32 @@
+"""Every Triton kernel of the training path (fused forward, state scans, window and slot backward) run by the
+Triton CPU interpreter under the out-of-bounds checker of `interp_bounds.py`: each tensor argument sits in a
+private buffer with guard zones, and every active address of every load, store and atomic must fall inside
+its tensor. The interpreter alone reads and writes stray addresses silently; on the GPU they are an illegal
+memory access (H200 run of v4: the (T=1000, 4/4 heads, D=128, M=128, w=64) combination).
+
+Needs Triton (skipped without it; no GPU needed). Runs in a subprocess, since TRITON_INTERPRET must be set
+before the kernels are defined. The shape is that class, small: one kv head per query head (8-token row
+blocks half empty in the slot backward), D=128 in two column passes, M=128 slots, T not a multiple of the
+64-token chunk, left padding, window 64 (the stream shifted by a whole chunk).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.mark.parametrize("shape", [(70, 1, 1, 128, 128, 64, 2)], ids=lambda s: "T{}_g{}-{}_D{}_M{}_w{}_b{}".format(*s))
+def test_training_kernels_stay_in_bounds_under_interpreter(shape):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "interp_bounds.py"), *map(str, shape)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "in bounds" in run.stdout
