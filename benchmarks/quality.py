@@ -45,6 +45,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from nha_retrofit.finetune import finetune
+    from nha_retrofit.modeling.modeling_nha import kernel_scope
 
     path = ROOT / "benchmarks" / "results" / f"quality_{args.name}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
@@ -67,8 +68,7 @@ def main(argv=None):
             "recipe": str(Path(args.recipe).relative_to(ROOT)) if Path(args.recipe).is_relative_to(ROOT) else args.recipe,
             "overrides": [*VARIANTS[variant], *args.set],
             "machine": summary["machine"],
-            "nha_operator": "triton" if torch.cuda.is_available() and os.environ.get("NHA_RETROFIT_KERNELS", "1") != "0"
-            else "pytorch",
+            "nha_kernels": kernel_scope() if torch.cuda.is_available() else "0",  # where Triton ran (see kernel_scope)
             "tokens": summary["tokens"],
             "steps": summary["steps"],
             "train_wall_time_s": summary["wall_time_s"],

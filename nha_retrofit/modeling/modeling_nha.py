@@ -33,16 +33,26 @@ except ImportError:
     KERNELS_AVAILABLE = False
 
 
+def kernel_scope() -> str:
+    """Where nha_retrofit's Triton kernels run on CUDA, from NHA_RETROFIT_KERNELS: `decode` (the default: the one-token
+    decode step, validated on the GPU), `all` (also prefill and training: opt-in until the chunk kernels' forward and
+    backward pass the GPU test suite again, see benchmarks/NOTES.md), `0` (none: plain PyTorch everywhere)."""
+    value = os.environ.get("NHA_RETROFIT_KERNELS", "decode")
+    scope = {"1": "all", "none": "0", "": "decode"}.get(value.strip().lower(), value.strip().lower())
+    if scope not in ("decode", "all", "0"):
+        raise ValueError(f"NHA_RETROFIT_KERNELS={value!r}: expected decode, all or 0")
+    return scope
+
+
 def nha_operator(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias, state, output_state):
-    """Pick the implementation: Triton on CUDA when available (unless NHA_RETROFIT_KERNELS=0 asks for the plain
-    PyTorch forms, e.g. to rule the kernels out), plain PyTorch otherwise; one-token steps with a carried state take
-    the recurrent form. Returns (o, new state or None)."""
-    use_kernels = KERNELS_AVAILABLE and q.is_cuda and os.environ.get("NHA_RETROFIT_KERNELS", "1") != "0"
+    """Pick the implementation (Triton kernels on CUDA where `kernel_scope` allows, plain PyTorch otherwise); one-token
+    steps with a carried state take the recurrent form. Returns (o, new state or None)."""
+    scope = kernel_scope() if KERNELS_AVAILABLE and q.is_cuda else "0"
     args = (q, k, v, q_rope, k_rope, log_alpha, window, scale)
     if state is not None and q.shape[1] == 1:
-        step = nha_recurrent_step_triton if use_kernels else nha_recurrent_step
+        step = nha_recurrent_step_triton if scope in ("decode", "all") else nha_recurrent_step
         return step(*args, state=state, attention_mask=attention_mask, slot_bias=slot_bias)
-    chunked = nha_chunked_triton if use_kernels else nha_chunked
+    chunked = nha_chunked_triton if scope == "all" else nha_chunked
     return chunked(
         *args, attention_mask=attention_mask, slot_bias=slot_bias, initial_state=state, output_final_state=output_state
     )
