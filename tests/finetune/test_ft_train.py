@@ -135,8 +135,11 @@ def test_teacher_and_student_share_one_autocast_region(world, student_first, wra
     ids = torch.randint(0, 256, (2, 40))
     if wrapper == "accelerate":
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
+        AcceleratorState._reset_state()  # other tests' runs set another precision in this process (as the trainer does)
         model = Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
+        AcceleratorState._reset_state()
 
     def student():
         return model(input_ids=ids, use_cache=False).logits
