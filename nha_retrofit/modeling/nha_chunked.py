@@ -147,19 +147,35 @@ class _SlotChunks:
         causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=keys.device).tril()
         diff = cum[:, :, :, :, None, :] - cum[:, :, :, None, :, :]  # [B, H, n, C(tau), C(j), M]
         self.weights = diff.masked_fill(~causal[:, :, None], float("-inf")).exp() * write[:, :, :, None]
-        self.chunk_decay = cum[:, :, :, -1].exp()  # [B, H, n, M]
+        self.chunk_log_decay = cum[:, :, :, -1]  # [B, H, n, M]
         self.to_end = (cum[:, :, :, -1:] - cum).exp() * write  # weight of token j in the chunk's end state
 
-    def _states_before_chunks(self, tokens, initial):
-        """Slot state before each chunk ([B, H, n, M, X]) and after the last one."""
+    def _states_before_chunks(self, tokens, initial, group=16):
+        """Slot state before each chunk ([B, H, n, M, X]) and after the last one.
+
+        The recurrence state <- decay * state + update runs over groups of `group` chunks: inside a group every state
+        is a weighted sum of the group's updates (weights exp(sum of the decays in between) <= 1, one einsum), and
+        only the state entering each group is carried sequentially (n / group steps instead of n)."""
         updates = torch.einsum("bhncm,bhncx->bhnmx", self.to_end, tokens)
-        state, before = initial, []
-        for c in range(updates.shape[2]):
-            before.append(state)
-            state = self.chunk_decay[:, :, c, :, None] * state + updates[:, :, c]
-        if not before:
-            return initial.new_zeros(*initial.shape[:2], 0, *initial.shape[2:]), state
-        return torch.stack(before, 2), state
+        n = updates.shape[2]
+        if n == 0:
+            return initial.new_zeros(*initial.shape[:2], 0, *initial.shape[2:]), initial
+        pad = -(-n // group) * group - n  # padded chunks: decay 1, no update (the final state is unchanged)
+        log_decay = F.pad(self.chunk_log_decay, (0, 0, 0, pad)).unflatten(2, (-1, group))  # [B, H, g, G, M]
+        updates = F.pad(updates, (0, 0, 0, 0, 0, pad)).unflatten(2, (-1, group))  # [B, H, g, G, M, X]
+        after = log_decay.cumsum(3)  # log decay from the group start to the end of chunk c
+        before = after - log_decay  # ... to the start of chunk c
+        earlier = torch.ones(group, group, dtype=torch.bool, device=updates.device).tril(-1)  # [c, p]: p < c
+        gaps = (before[:, :, :, :, None] - after[:, :, :, None, :]).masked_fill(~earlier[:, :, None], float("-inf"))
+        inside = torch.einsum("bhgcpm,bhgpmx->bhgcmx", gaps.exp(), updates)
+        group_update = torch.einsum("bhgpm,bhgpmx->bhgmx", (after[:, :, :, -1:] - after).exp(), updates)
+        group_decay = after[:, :, :, -1].exp()  # [B, H, g, M]
+        state, entering = initial, []
+        for g in range(updates.shape[2]):
+            entering.append(state)
+            state = group_decay[:, :, g, :, None] * state + group_update[:, :, g]
+        states = inside + before.exp()[..., None] * torch.stack(entering, 2)[:, :, :, None]
+        return states.flatten(2, 3)[:, :, :n], state
 
     def read_logits(self, queries, initial_keys):
         """q_tau . Sk_tau[i] for every absorption step tau; queries [B, H, N, G, D] -> [B, H, N, G, M]."""

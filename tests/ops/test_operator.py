@@ -139,6 +139,35 @@ def test_float32_chunked_is_close_to_float64_reference():
     assert out.dtype == torch.float32 and rel < 1e-5
 
 
+@pytest.mark.parametrize("chunk_size, length", [(1, 40), (2, 111), (4, 111), (3, 200)])
+@pytest.mark.parametrize("window", [0, 3, None])
+def test_chunked_over_many_chunk_groups_with_carried_state(chunk_size, length, window):
+    """The slot-state scan runs over groups of 16 chunks: many groups, a ragged last group, a carried state and the
+    gradients must all match the float64 reference."""
+    inputs = make_inputs(2, length, 4, 2, 8, 7)
+    mask = padding_mask(2, length, "left")
+    names = OPERATOR_ARGS + ("slot_bias",)
+    split = length // 3
+    dO = torch.randn(2, length, 4, 8, dtype=torch.float64)
+
+    def both(fn, **kwargs):
+        xs = [inputs[n].clone().requires_grad_() for n in names]
+        out = fn(*xs[:6], window=window, scale=inputs["scale"], attention_mask=mask, slot_bias=xs[6], **kwargs)
+        grads = torch.autograd.grad(out, xs, dO, allow_unused=True)  # window 0: the RoPE'd inputs are unused
+        return [out, *(torch.zeros_like(x) if g is None else g for x, g in zip(xs, grads))]
+
+    def two_parts(*xs, attention_mask, **kwargs):
+        first, state = nha_chunked(*[x[:, :split] for x in xs[:6]], attention_mask=attention_mask[:, :split],
+                                   output_final_state=True, chunk_size=chunk_size, **kwargs)
+        second, _ = nha_chunked(*[x[:, split:] for x in xs[:6]], attention_mask=attention_mask[:, split:],
+                                initial_state=state, chunk_size=chunk_size, **kwargs)
+        return torch.cat([first, second], 1)
+
+    expected = both(nha_reference)
+    for got, want in zip(both(two_parts), expected):
+        assert_close(got, want, 1e-9)
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_float32_chunked_stays_exact_under_strong_decay(chunk_size):
     """Gates that nearly reset the slots every token (log alpha ~ -6, hundreds over a chunk) must not overflow the
