@@ -202,24 +202,6 @@ def parts(T=32768, w=64):
     return out
 
 
-VARIANTS = {  # CONFIG overrides of nha_retrofit.kernels.chunk_fwd (tests/kernels checks the same ones)
-    "defaults": {},
-    "values_tf32": dict(value_precision="tf32"),
-    "fwd_tf32": dict(slot_precision="tf32"),
-    "bwd_tf32": dict(slot_bwd_precision="tf32"),
-    "rowsum_delta": dict(exact_delta=False),
-    "rowsum_delta_pv_fp32": dict(exact_delta=False, training_pv_fp32=True),
-    "torch_slot_bwd": dict(slot_backward="torch"),
-    "fwd_v3": dict(fwd_split=False),
-    "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
-    "fwd_block8": dict(fwd_block=8),
-    "save_states": dict(save_states=True),
-    "scan_tile_8x32": dict(scan_tile=(8, 32)),
-    "scan_tile_4x32": dict(scan_tile=(4, 32)),
-    "window_dkv_8warps": dict(window_dkv_warps=8),
-    "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
-    "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
-}
 FWD_SAME = {"bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "window_dkv_8warps",
             "save_states"}  # forward
 # as the defaults (rowsum_delta's training forward also writes the fp32 output copy: timed with fwd+bwd)
@@ -234,7 +216,7 @@ def variants(lengths, names, w=64):
     for T in lengths:
         for name in names:
             chunk_fwd.CONFIG.clear()
-            chunk_fwd.CONFIG.update(base, **VARIANTS[name])
+            chunk_fwd.CONFIG.update(base, **chunk_fwd.CONFIG_VARIANTS[name])
             for mode in ("fwd", "fwd+bwd"):
                 if name in FWD_SAME and mode == "fwd":
                     continue
@@ -261,7 +243,8 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
     ap.add_argument("--config", default="{}", help="JSON of chunk_fwd.CONFIG overrides for the whole run")
-    ap.add_argument("--variants", default="", help="comma list of VARIANTS names to time side by side (or 'all')")
+    ap.add_argument("--variants", default="",
+                    help="comma list of chunk_fwd.CONFIG_VARIANTS names to time side by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -293,7 +276,7 @@ def main():
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
     if args.variants:
-        names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+        names = list(chunk_fwd.CONFIG_VARIANTS) if args.variants == "all" else args.variants.split(",")
         records += variants([int(x) for x in args.variant_lengths.split(",")], names)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None

@@ -402,6 +402,25 @@ CONFIG = {
     # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
 }
 
+CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
+    "defaults": {},
+    "values_tf32": dict(value_precision="tf32"),
+    "fwd_tf32": dict(slot_precision="tf32"),
+    "bwd_tf32": dict(slot_bwd_precision="tf32"),
+    "rowsum_delta": dict(exact_delta=False),
+    "rowsum_delta_pv_fp32": dict(exact_delta=False, training_pv_fp32=True),
+    "torch_slot_bwd": dict(slot_backward="torch"),
+    "fwd_v3": dict(fwd_split=False),
+    "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
+    "fwd_block8": dict(fwd_block=8),
+    "save_states": dict(save_states=True),
+    "scan_tile_8x32": dict(scan_tile=(8, 32)),
+    "scan_tile_4x32": dict(scan_tile=(4, 32)),
+    "window_dkv_8warps": dict(window_dkv_warps=8),
+    "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
+    "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
+}
+
 
 def fwd_warps(rows, dim):
     """Warps of the fused kernel for a [rows x dim] tile of rows."""

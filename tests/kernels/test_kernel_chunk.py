@@ -143,10 +143,11 @@ def test_prefill_state_and_200_decode_steps_match_chunk_kernel(window, M, heads,
     assert torch.equal(state.slots_filled.cpu(), ref_state.slots_filled.cpu())
 
 
-@pytest.mark.parametrize("window", [3, 64, None])
-def test_prefill_in_two_parts_with_carried_state(window):
+def two_part_prefill(window, decay=1.0):
+    """A 300-token prefill split at 129 through the chunk kernel (the second part from the first's state), and the
+    float64 PyTorch form on the whole sequence: (output, final state, reference output, reference state)."""
     T, split, batch = 300, 129, 2
-    inputs = cuda_inputs(T, 9, 3, 64, 32, torch.bfloat16, batch)
+    inputs = cuda_inputs(T, 9, 3, 64, 32, torch.bfloat16, batch, decay=decay)
     mask = padding_mask(batch, T, "left").cuda()
     args = [inputs[n].to(torch.bfloat16) for n in NAMES[:6]]
     with torch.no_grad():
@@ -156,21 +157,20 @@ def test_prefill_in_two_parts_with_carried_state(window):
                                            inputs["slot_bias"], initial_state=state, output_final_state=True)
         ref, ref_state = nha_chunked(*[a.double() for a in args], window, inputs["scale"], mask,
                                      inputs["slot_bias"].double(), output_final_state=True)
-    assert rel(torch.cat([first, second], 1), ref) <= 5e-3
+    return torch.cat([first, second], 1), state, ref, ref_state
+
+
+@pytest.mark.parametrize("window", [3, 64, None])
+def test_prefill_in_two_parts_with_carried_state(window):
+    out, state, ref, ref_state = two_part_prefill(window)
+    assert rel(out, ref) <= 5e-3
     if ref_state.slot_keys.norm() > 0:
         assert rel(state.slot_keys, ref_state.slot_keys) <= 5e-3
 
 
-VARIANTS = {  # CONFIG overrides, timed side by side by benchmarks/kernel_session.sh (ops.py --variants)
-    "values_tf32": dict(value_precision="tf32"),
-    "fwd_tf32": dict(slot_precision="tf32"),
-    "bwd_tf32": dict(slot_bwd_precision="tf32"),
-    "rowsum_delta": dict(exact_delta=False),
-    "rowsum_delta_pv_fp32": dict(exact_delta=False, training_pv_fp32=True),
-    "torch_slot_bwd": dict(slot_backward="torch"),
-    "fwd_block8": dict(fwd_block=8),
-    "save_states": dict(save_states=True),
-}
+VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
+    "values_tf32", "fwd_tf32", "bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "fwd_block8",
+    "save_states")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -195,17 +195,7 @@ def test_strong_decay_forward_backward(combo):
 @pytest.mark.parametrize("window", [3, 64])
 def test_strong_decay_prefill_with_carried_state(window):
     """The forward alone under gates that reset the slots: exact (in-block tokens by direct weights)."""
-    T, split, batch = 300, 129, 2
-    inputs = cuda_inputs(T, 9, 3, 64, 32, torch.bfloat16, batch, decay=8.0)
-    mask = padding_mask(batch, T, "left").cuda()
-    args = [inputs[n].to(torch.bfloat16) for n in NAMES[:6]]
-    with torch.no_grad():
-        first, state = nha_chunked_triton(*[a[:, :split] for a in args], window, inputs["scale"], mask[:, :split],
-                                          inputs["slot_bias"], output_final_state=True)
-        second, _ = nha_chunked_triton(*[a[:, split:] for a in args], window, inputs["scale"], mask,
-                                       inputs["slot_bias"], initial_state=state, output_final_state=True)
-        ref, _ = nha_chunked(*[a.double() for a in args], window, inputs["scale"], mask,
-                             inputs["slot_bias"].double(), output_final_state=True)
-    err = rel(torch.cat([first, second], 1), ref)
+    out, _, ref, _ = two_part_prefill(window, decay=8.0)
+    err = rel(out, ref)
     print(f"\nERRORS strong decay prefill w={window}: o={err:.2e}")
     assert err <= 5e-3, err
