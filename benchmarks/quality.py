@@ -4,6 +4,7 @@ finetuning recipe, against the original; written to benchmarks/results/quality_<
     python benchmarks/quality.py                                  # the CPU demo recipe (about 15 min, 2 cores)
     python benchmarks/quality.py --variant no-transfer --variant ce   # ablations at the same budget
     python benchmarks/quality.py --recipe R.yaml --set stages.lm.tokens=20000000 --name gpu   # a GPU run
+    ... --set train.stop_after_steps=500, then the same command with --resume: one run in two sittings
 
 Each variant is the recipe plus `--set` overrides; the held-out texts (python-stdlib, shakespeare) are excluded
 from training and scored by the finetune run itself (original = the same model with every window full).
@@ -42,6 +43,7 @@ def main(argv=None):
     parser.add_argument("--set", action="append", default=[], help="extra recipe overrides for every variant")
     parser.add_argument("--name", default="cpu" if not torch.cuda.is_available() else "gpu")
     parser.add_argument("--output-root", default=str(ROOT / "outputs" / "quality"))
+    parser.add_argument("--resume", action="store_true", help="continue each variant's run from its last checkpoint")
     args = parser.parse_args(argv)
 
     from nha_retrofit.finetune import finetune
@@ -57,7 +59,10 @@ def main(argv=None):
         if reference:  # original and converted-before perplexities do not depend on the variant: reuse them
             overrides.append("eval.before=false")
         start, cpu_start = time.monotonic(), _cpu_seconds()
-        summary = finetune(args.recipe, overrides, overwrite=True)
+        summary = finetune(args.recipe, overrides, resume=args.resume, overwrite=not args.resume)
+        if "stopped_at_step" in summary:  # train.stop_after_steps: the rest runs with --resume
+            print(f"{variant}: stopped at step {summary['stopped_at_step']}; continue with --resume")
+            continue
         wall, cpu = time.monotonic() - start, _cpu_seconds() - cpu_start
         before, after = summary["before"], summary["after"]
         if reference:
@@ -72,7 +77,8 @@ def main(argv=None):
             "tokens": summary["tokens"],
             "steps": summary["steps"],
             "train_wall_time_s": summary["wall_time_s"],
-            "total_wall_time_s": round(wall, 1),
+            "total_wall_time_s": round(wall, 1),  # of the last sitting when resumed
+            "resumed": args.resume,
             "process_cpu_time_s": round(cpu, 1),  # wall time includes any other load on the machine
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
             "heldout": {
