@@ -1,0 +1,73 @@
+"""The training-path kernels under the Triton CPU interpreter on real-like inputs (`real_like.py`), in bf16 with
+GPU-like numerics (`interp_numerics.py`: bf16 round-to-nearest, TF32 / 3xTF32 products), against the float64
+`nha_reference`: output and every gradient within the GPU suite's bf16 tolerance.
+
+Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_real_like.py T HQ H D M window batch [dtype]
+Prints one ERRORS line; exit status 1 when a tensor is off.
+"""
+
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
+TOL = {torch.bfloat16: 5e-3, torch.float32: 1e-5}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def check(T, HQ, H, D, M, window, batch, dtype, seed=0):
+    from interp_numerics import gpu_numerics
+    from nha_oracle import padding_mask
+    from real_like import real_like_inputs
+
+    from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels.autograd import nha_attention
+    from nha_retrofit.ops.reference import nha_reference
+
+    inputs = real_like_inputs(batch, T, HQ, H, D, M, seed=seed)
+    mask = padding_mask(batch, T, "left")
+    gen = torch.Generator().manual_seed(seed + 1)
+    d_o = torch.randn(batch, T, HQ, D, generator=gen).to(dtype)
+    # the model's dtypes: q/k/v/rope and slot_bias in the model dtype, log_alpha fp32 (gate_log_alpha)
+    cast = {n: (torch.float32 if n == "log_alpha" else dtype) for n in NAMES}
+    x = {n: inputs[n].to(cast[n]).requires_grad_(True) for n in NAMES}
+    chunk_fwd.POISON = True
+    try:
+        with gpu_numerics():
+            out = nha_attention(*[x[n] for n in NAMES[:6]], window, inputs["scale"], mask, x["slot_bias"])
+            grads = torch.autograd.grad(out, [x[n] for n in NAMES], d_o)
+    finally:
+        chunk_fwd.POISON = False
+    xr = {n: inputs[n].to(cast[n]).double().requires_grad_(True) for n in NAMES}
+    ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, inputs["scale"], mask, xr["slot_bias"])
+    ref_grads = torch.autograd.grad(ref, [xr[n] for n in NAMES], d_o.double())
+    errors = {"o": rel(out, ref)}
+    errors.update({n: rel(g, rg) for n, g, rg in zip(NAMES, grads, ref_grads)})
+    finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return errors, finite
+
+
+def main():
+    T, HQ, H, D, M, window, batch = map(int, sys.argv[1:8])
+    dtype = getattr(torch, sys.argv[8]) if len(sys.argv) > 8 else torch.bfloat16
+    errors, finite = check(T, HQ, H, D, M, window, batch, dtype)
+    tol = TOL[dtype]
+    summary = " ".join(f"{k}={v:.2e}" for k, v in errors.items())
+    print(f"ERRORS real-like interpreter {(T, HQ, H, D, M, window, batch, str(dtype))}: {summary}")
+    bad = [k for k, v in errors.items() if not v <= tol]
+    if bad or not finite:
+        print(f"FAIL (tolerance {tol}): {bad}, finite={finite}")
+        raise SystemExit(1)
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
