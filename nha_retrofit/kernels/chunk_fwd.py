@@ -400,6 +400,8 @@ CONFIG = {
     # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
     "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so
     # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
+    "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program,
+    # as v4: at M=128 a [64 x 128] fp32 accumulator and [16 x 128] tiles, the v4 H200 illegal access)
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -419,6 +421,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
     "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
+    "keys_da_all_slots": dict(keys_da_slots=None),
 }
 
 

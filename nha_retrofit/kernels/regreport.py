@@ -83,7 +83,8 @@ def cases(HQ, H, D, M):
     gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
     out += [("slot bwd rows", slot_bwd_tl._rows_kernel, dict(sconsts, EXACT_DELTA=True), 8, 1),
             ("slot bwd keys_grad", slot_bwd_tl._keys_grad_kernel, dict(gconsts, DX=D), 8, 1),
-            ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel, sconsts, 8, 1),
+            ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel, dict(sconsts, BM=min(M, cf.CONFIG["keys_da_slots"] or M)),
+             8, 1),
             ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
                                                    PREC="tf32"), 4, 2)]
     return out

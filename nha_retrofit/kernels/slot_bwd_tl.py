@@ -223,22 +223,25 @@ def _keys_da_kernel(
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr,
+    SPREC: tl.constexpr, BM: tl.constexpr,
 ):
-    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>."""
+    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, for the
+    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent)."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    m0 = tl.program_id(2) * BM
     b = pid_bh // H
     h = pid_bh % H
     cs0 = c * CSZ
     offs_u = tl.arange(0, CSZ)
     offs_c = tl.arange(0, BD)
-    offs_m = tl.arange(0, M)
-    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
+    offs_m = m0 + tl.arange(0, BM)  # absolute slot indices (M, all slots, is the row stride of E, DA, WK...)
+    GB = G + m0  # the gate helpers read BM slots from here
+    g, a, j, jr = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     cidx = pid_bh.to(tl.int64) * NCH + c
-    uv = tl.zeros([CSZ, M], dtype=tl.float32)
+    uv = tl.zeros([CSZ, BM], dtype=tl.float32)
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rkd = tl.load(RK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
@@ -273,15 +276,15 @@ def _keys_da_kernel(
         w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
         wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
         wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
-        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM)
         e_in = tl.exp(a_in)
         intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, input_precision=SPREC)
                  + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, input_precision=SPREC))
         uv += intra * tl.where((offs_u < off)[:, None], tl.exp(a_ref[None, :] - a), 0.0)  # tokens before the block
-        cum = tl.zeros([M], dtype=tl.float32)
+        cum = tl.zeros([BM], dtype=tl.float32)
         for jj in range(CQB):  # the block's own tokens
-            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
+            e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                               a_in, tok >= jj, BM)
             sel = offs_u[None, :] == off + jj
             row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
                             + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
@@ -350,8 +353,9 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
         launched("slot bwd keys_grad")
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
-    _keys_da_kernel[(n, B * H)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, **meta,
+    bm = min(M, CONFIG.get("keys_da_slots") or M)  # slots per program (M=128: two programs of 64)
+    _keys_da_kernel[(n, B * H, M // bm)](
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, BM=bm, **meta,
     )
     launched("slot bwd keys_da")
     dga = dA.flip(2).cumsum(2).flip(2) + xa  # [B, H, L, M] over stream positions u = j + W
