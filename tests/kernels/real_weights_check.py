@@ -136,7 +136,8 @@ def main():
         for n, e in res["kernels"].items():
             if not (e <= 5e-3 or e <= 1.5 * res["pytorch"][n]):
                 ok = False
-                print(f"operator layer {layer}: {n} kernels {e:.2e} vs pytorch {res['pytorch'][n]:.2e}", file=sys.stderr)
+                print(f"operator layer {layer}: {n} kernels {e:.2e} vs pytorch {res['pytorch'][n]:.2e}",
+                      file=sys.stderr)
     del captured
 
     model = load(args.model, torch.bfloat16)
@@ -152,7 +153,8 @@ def main():
     median_ratio = statistics.median(r[2] for r in ratios.values())
     worst = max(ratios, key=lambda n: ratios[n][2])
     report["model_level"] = {
-        "logits_kernels_vs_fp32": rel(k_logits, truth_logits), "logits_pytorch_bf16_vs_fp32": rel(a_logits, truth_logits),
+        "logits_kernels_vs_fp32": rel(k_logits, truth_logits),
+        "logits_pytorch_bf16_vs_fp32": rel(a_logits, truth_logits),
         "logits_kernels_vs_pytorch_bf16": rel(k_logits, a_logits),
         "grad_err_ratio_median_kernels_over_pytorch": median_ratio,
         "grad_worst_ratio": {worst: ratios[worst]},
