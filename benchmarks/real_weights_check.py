@@ -1,6 +1,6 @@
 """GPU check of the Triton kernels on a converted model's real weights, against high-precision truth.
 
-`benchmarks/e2e_model.py --model` compares two bf16 computations with each other (Triton kernels against the
+`benchmarks/e2e_model.py` compares two bf16 computations with each other (Triton kernels against the
 plain-PyTorch chunked form). On the real SmolLM2 with random token ids that difference is dominated by how the
 30-layer model amplifies rounding: on CPU, two exact PyTorch forms (16- and 64-token chunks, only the fp32
 summation order differs) already differ by 2.0e-2 in the logits and 0.18 in layer 11's g_proj gradient, and the
@@ -15,7 +15,7 @@ the fp32 model (NOTES.md). This script asks the question that has an answer:
    the PyTorch form (A), each against the fp32 model (truth, TF32 off): K must be no farther from the truth
    than ~1.5x A (logits; median over the gradients), the spread that bf16 rounding alone produces.
 
-Usage (GPU machine): PYTHONPATH=. python tests/kernels/real_weights_check.py --model FOLDER [--batch 4]
+Usage (GPU machine): PYTHONPATH=. python benchmarks/real_weights_check.py --model FOLDER [--batch 4]
     [--tokens 2048] [--layers 1,11,21]. Prints JSON (also written to $OUT/real_weights_check.json when $OUT is
 set); exit status 1 when the kernels are off.
 """
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import torch
+from e2e_model import forward_backward, train_attention_only  # this folder's model-level check
 
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
 
@@ -43,20 +44,8 @@ def load(folder, dtype):
     from nha_retrofit.modeling.modeling_nha import NHALlamaForCausalLM
 
     model = NHALlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(DEVICE)
-    for layer in model.model.layers:  # as e2e_model.py: only attention trains
-        for name, param in layer.named_parameters():
-            param.requires_grad_(name.startswith("self_attn."))
-    model.model.embed_tokens.requires_grad_(False)
-    model.lm_head.requires_grad_(False)
+    train_attention_only(model)
     return model
-
-
-def forward_backward(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if "self_attn" in n and p.grad is not None}
-    return out.logits.float(), grads
 
 
 def operator_check(captured, dtype, seed):
