@@ -77,7 +77,7 @@ def main():
     ids = torch.randint(0, 128256, (1, args.tokens), device="cuda")
     assert modeling.KERNELS_AVAILABLE, "Triton kernels did not import"
 
-    os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels (opt-in)
+    os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels
     (kernel_logits, kernel_grads), kernel_s = timed(lambda: forward_backward(model, ids))
     os.environ["NHA_RETROFIT_KERNELS"] = "0"  # the same model through the plain-PyTorch chunked form
     (torch_logits, torch_grads), torch_s = timed(lambda: forward_backward(model, ids), repeats=1)

@@ -34,11 +34,10 @@ except ImportError:
 
 
 def kernel_scope() -> str:
-    """Where nha_retrofit's Triton kernels run on CUDA, from NHA_RETROFIT_KERNELS: `decode` (the default: the one-token
-    decode step, validated on the GPU), `all` (also prefill and training: opt-in until the chunk kernels' forward and
-    backward pass the GPU test suite again, see benchmarks/NOTES.md), `0` (none: plain PyTorch everywhere)."""
-    value = os.environ.get("NHA_RETROFIT_KERNELS", "decode")
-    scope = {"1": "all", "none": "0", "": "decode"}.get(value.strip().lower(), value.strip().lower())
+    """Where nha_retrofit's Triton kernels run on CUDA, from NHA_RETROFIT_KERNELS: `all` (the default: prefill,
+    training and the one-token decode step), `decode` (the decode step only), `0` (none: plain PyTorch everywhere)."""
+    value = os.environ.get("NHA_RETROFIT_KERNELS", "all")
+    scope = {"1": "all", "none": "0", "": "all"}.get(value.strip().lower(), value.strip().lower())
     if scope not in ("decode", "all", "0"):
         raise ValueError(f"NHA_RETROFIT_KERNELS={value!r}: expected decode, all or 0")
     return scope

@@ -145,7 +145,7 @@ def test_attention_transfer_loss_is_the_mse_to_the_full_attention_output():
     assert nha.model.layers[1].self_attn.transfer_loss is None
 
 
-@pytest.mark.parametrize("value, scope", [(None, "decode"), ("decode", "decode"), ("all", "all"), ("1", "all"),
+@pytest.mark.parametrize("value, scope", [(None, "all"), ("", "all"), ("decode", "decode"), ("all", "all"), ("1", "all"),
                                           ("0", "0"), ("none", "0"), (" ALL ", "all")])
 def test_kernel_scope_from_the_environment(monkeypatch, value, scope):
     from nha_retrofit.modeling.modeling_nha import kernel_scope
