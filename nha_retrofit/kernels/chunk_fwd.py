@@ -385,7 +385,8 @@ CONFIG = {
     "slot_precision": "tf32x3",  # its fp32 slot-state products (see slot_precision)
     "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
     "fwd_split": True,  # its slot part: row decays by a cumsum, D in 64-column passes (False: v3, spills more)
-    "slot_backward": "triton",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd
+    "slot_backward": "triton",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd;
+    # "triton_v5": slot_bwd_tl's v5 kernels (no atomics, merged key kernels, 2xTF32 where one operand is bf16)
     "slot_bwd_precision": "tf32x3",  # fp32 products of the Triton slot backward (bf16/fp16 inputs)
     "exact_delta": True,  # backward: delta = sum P * dP computed there (no fp32 output copy in the forward)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
@@ -402,6 +403,9 @@ CONFIG = {
     # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program,
     # as v4: at M=128 a [64 x 128] fp32 accumulator and [16 x 128] tiles, the v4 H200 illegal access)
+    "slot_bwd_v5_block": None,  # tokens per row block of the v5 slot backward (None: slot_bwd_tl.BQ = 8)
+    "slot_bwd_v5_warps": None,  # warps of the v5 slot backward kernels (None: 8)
+    "slot_bwd_v5_merge_keys": True,  # v5: dk and dv in one key kernel (False: one launch each, fewer registers)
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -422,6 +426,11 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
     "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
     "keys_da_all_slots": dict(keys_da_slots=None),
+    "slot_bwd_v5": dict(slot_backward="triton_v5"),
+    "slot_bwd_v5_block16": dict(slot_backward="triton_v5", slot_bwd_v5_block=16),
+    "slot_bwd_v5_warps4": dict(slot_backward="triton_v5", slot_bwd_v5_warps=4),
+    "slot_bwd_v5_split_keys": dict(slot_backward="triton_v5", slot_bwd_v5_merge_keys=False),
+    "slot_bwd_v5_save_states": dict(slot_backward="triton_v5", save_states=True),
 }
 
 
