@@ -76,13 +76,15 @@ def bounds_checked():
                                          "create_atomic_cas")}
     saved_call = G.__call__
 
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # the trailing cache / eviction arguments differ between Triton versions (3.6: cache_modifier,
+    # eviction_policy[, is_volatile]; 3.9: cache_policy[, is_volatile]): passed through as they come
+    def masked_load(self, ptrs, mask, other, *rest):
         _check(ptrs.data, mask.data, _nbytes(ptrs), "load")
-        return saved["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+        return saved["create_masked_load"](self, ptrs, mask, other, *rest)
 
-    def masked_store(self, ptrs, value, mask, cache_policy):
+    def masked_store(self, ptrs, value, mask, *rest):
         _check(ptrs.data, mask.data, _nbytes(ptrs), "store")
-        return saved["create_masked_store"](self, ptrs, value, mask, cache_policy)
+        return saved["create_masked_store"](self, ptrs, value, mask, *rest)
 
     def atomic_rmw(self, rmwOp, ptr, val, mask, sem, scope):
         _check(ptr.data, mask.data, _nbytes(ptr), "atomic")
@@ -150,9 +152,13 @@ def bounds_checked():
         G.__call__ = saved_call
 
 
-def run_operator(T, HQ, H, D, M, window, batch=2, side="left", decay=1.0, seed=0):
+def run_operator(T, HQ, H, D, M, window, batch=2, side="left", decay=1.0, seed=0, variant=None):
     """nha_attention forward + backward (float32, CPU tensors, every Triton kernel of the training path) under
-    `bounds_checked`; returns the output and gradients. Needs TRITON_INTERPRET=1 before Triton is imported."""
+    `bounds_checked`; returns the output and gradients. Needs TRITON_INTERPRET=1 before Triton is imported.
+    `variant`: a chunk_fwd.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
+    import os
+
+    from interp_variant import use_variant
     from nha_oracle import make_inputs, padding_mask
 
     from nha_retrofit.kernels import chunk_fwd
@@ -163,6 +169,7 @@ def run_operator(T, HQ, H, D, M, window, batch=2, side="left", decay=1.0, seed=0
     x = {n: inputs[n].clone().requires_grad_(True) for n in names}
     mask = padding_mask(batch, T, side)
     d_o = torch.randn(batch, T, HQ, D, generator=torch.Generator().manual_seed(seed))
+    saved = use_variant(variant or os.environ.get("NHA_VARIANT"))
     chunk_fwd.POISON = True
     try:
         with bounds_checked():
@@ -170,18 +177,22 @@ def run_operator(T, HQ, H, D, M, window, batch=2, side="left", decay=1.0, seed=0
             grads = torch.autograd.grad(out, [x[n] for n in names], d_o)
     finally:
         chunk_fwd.POISON = False
+        chunk_fwd.CONFIG.clear()
+        chunk_fwd.CONFIG.update(saved)
     return out, grads
 
 
-if __name__ == "__main__":  # python tests/kernels/interp_bounds.py T HQ H D M WINDOW [BATCH] (TRITON_INTERPRET=1)
+if __name__ == "__main__":  # [NHA_VARIANT=name] python tests/kernels/interp_bounds.py T HQ H D M WINDOW [BATCH]
     import os
     import sys
     import time
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     args = [None if a == "None" else int(a) for a in sys.argv[1:]]
     start = time.time()
     out, grads = run_operator(*args)
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    print(f"in bounds: {sys.argv[1:]} ({time.time() - start:.1f} s), finite: {finite}")
+    print(f"in bounds: {sys.argv[1:]} variant {os.environ.get('NHA_VARIANT') or 'defaults'} "
+          f"({time.time() - start:.1f} s), finite: {finite}")
     sys.exit(0 if finite else 1)

@@ -2,7 +2,8 @@
 GPU-like numerics (`interp_numerics.py`: bf16 round-to-nearest, TF32 / 3xTF32 products), against the float64
 `nha_reference`: output and every gradient within the GPU suite's bf16 tolerance.
 
-Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_real_like.py T HQ H D M window batch [dtype]
+Usage: [NHA_VARIANT=name] TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_real_like.py T HQ H D M window
+       batch [dtype]    (NHA_VARIANT: a chunk_fwd.CONFIG_VARIANTS name; default the defaults)
 Prints one ERRORS line; exit status 1 when a tensor is off.
 """
 
@@ -23,8 +24,10 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
-def check(T, HQ, H, D, M, window, batch, dtype, seed=0):
+def check(T, HQ, H, D, M, window, batch, dtype, seed=0, variant=None):
+    """`variant`: a chunk_fwd.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
     from interp_numerics import gpu_numerics
+    from interp_variant import use_variant
     from nha_oracle import padding_mask
     from real_like import real_like_inputs
 
@@ -39,6 +42,7 @@ def check(T, HQ, H, D, M, window, batch, dtype, seed=0):
     # the model's dtypes: q/k/v/rope and slot_bias in the model dtype, log_alpha fp32 (gate_log_alpha)
     cast = {n: (torch.float32 if n == "log_alpha" else dtype) for n in NAMES}
     x = {n: inputs[n].to(cast[n]).requires_grad_(True) for n in NAMES}
+    saved = use_variant(variant or os.environ.get("NHA_VARIANT"))
     chunk_fwd.POISON = True
     try:
         with gpu_numerics():
@@ -46,6 +50,8 @@ def check(T, HQ, H, D, M, window, batch, dtype, seed=0):
             grads = torch.autograd.grad(out, [x[n] for n in NAMES], d_o)
     finally:
         chunk_fwd.POISON = False
+        chunk_fwd.CONFIG.clear()
+        chunk_fwd.CONFIG.update(saved)
     xr = {n: inputs[n].to(cast[n]).double().requires_grad_(True) for n in NAMES}
     ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, inputs["scale"], mask, xr["slot_bias"])
     ref_grads = torch.autograd.grad(ref, [xr[n] for n in NAMES], d_o.double())
@@ -61,7 +67,8 @@ def main():
     errors, finite = check(T, HQ, H, D, M, window, batch, dtype)
     tol = TOL[dtype]
     summary = " ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    print(f"ERRORS real-like interpreter {(T, HQ, H, D, M, window, batch, str(dtype))}: {summary}")
+    variant = os.environ.get("NHA_VARIANT") or "defaults"
+    print(f"ERRORS real-like interpreter {variant} {(T, HQ, H, D, M, window, batch, str(dtype))}: {summary}")
     bad = [k for k, v in errors.items() if not v <= tol]
     if bad or not finite:
         print(f"FAIL (tolerance {tol}): {bad}, finite={finite}")

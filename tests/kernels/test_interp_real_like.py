@@ -14,9 +14,12 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from interp_support import require_interpreter_triton  # noqa: E402
+
+require_interpreter_triton()
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 

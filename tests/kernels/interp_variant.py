@@ -1,0 +1,141 @@
+"""One CONFIG variant's training-path kernels under the Triton CPU interpreter (TRITON_INTERPRET=1), side by
+side with the defaults, against the float64 `nha_reference`: output and every gradient.
+
+fp32 runs under the out-of-bounds checker (`interp_bounds.py`: guarded private buffers, every active address
+checked) with NaN-poisoned outputs; bf16 runs with GPU-like numerics (`interp_numerics.py`: bf16 round to
+nearest, TF32 / 3xTF32 products as the GPU forms them, addresses still checked). Criterion: fp32 every tensor
+<= 1e-5 (the kernels reach ~1e-6); bf16 every tensor <= 2x the defaults' error on the same inputs + 1e-6
+(the same level; the variants differ only in rounding points) and <= 5e-3 (the GPU suite's tolerance).
+
+Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_variant.py VARIANT T HQ H D M WINDOW BATCH
+       [float32|bfloat16] [decay] [random|real_like] [left|right]
+Prints one ERRORS line per run; exit status 1 when the variant is off.
+"""
+
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def use_variant(name):
+    """Apply CONFIG_VARIANTS[name] to chunk_fwd.CONFIG; returns the previous CONFIG (restore with .update)."""
+    from nha_retrofit.kernels import chunk_fwd
+
+    saved = dict(chunk_fwd.CONFIG)
+    if name:
+        chunk_fwd.CONFIG.update(chunk_fwd.CONFIG_VARIANTS[name])
+    return saved
+
+
+def inputs_for(T, HQ, H, D, M, batch, dtype, decay, kind, seed=0):
+    from nha_oracle import make_inputs
+    from real_like import real_like_inputs
+
+    if kind == "real_like":
+        inputs = real_like_inputs(batch, T, HQ, H, D, M, seed=seed)
+    else:
+        inputs = make_inputs(batch, T, HQ, H, D, M, dtype=torch.float32, seed=seed, decay=decay)
+    cast = {n: (torch.float32 if n == "log_alpha" else dtype) for n in NAMES}
+    x = {n: inputs[n].to(cast[n]) for n in NAMES}
+    d_o = torch.randn(batch, T, HQ, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return x, inputs["scale"], d_o
+
+
+def kernels(variant, x, scale, d_o, window, mask):
+    """Output and gradients of `nha_attention` under a variant (addresses checked, outputs NaN-poisoned)."""
+    import contextlib
+
+    from interp_bounds import bounds_checked
+    from interp_numerics import gpu_numerics
+
+    from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels.autograd import nha_attention
+
+    xs = {n: x[n].clone().requires_grad_(True) for n in NAMES}
+    saved = use_variant(variant)
+    chunk_fwd.POISON = True
+    numerics = gpu_numerics() if x["q"].dtype != torch.float32 else contextlib.nullcontext()
+    try:
+        with bounds_checked(), numerics:
+            out = nha_attention(*[xs[n] for n in NAMES[:6]], window, scale, mask, xs["slot_bias"])
+            grads = torch.autograd.grad(out, [xs[n] for n in NAMES], d_o)
+    finally:
+        chunk_fwd.POISON = False
+        chunk_fwd.CONFIG.clear()
+        chunk_fwd.CONFIG.update(saved)
+    return out, grads
+
+
+def errors_of(out, grads, ref, ref_grads, window):
+    errs = {"o": rel(out, ref)}
+    for n, g, rg in zip(NAMES, grads, ref_grads):
+        if n == "slot_bias" and window == 0:
+            continue  # w = 0: the exact gradient is 0
+        if rg.norm() == 0:
+            continue
+        errs[n] = rel(g, rg)
+    finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return errs, finite
+
+
+def check(variant, T, HQ, H, D, M, window, batch, dtype=torch.float32, decay=1.0, kind="random", side="left",
+          seed=0):
+    """(variant errors, defaults errors or None, finite): the defaults run only for bf16."""
+    from nha_oracle import padding_mask
+
+    from nha_retrofit.ops.reference import nha_reference
+
+    x, scale, d_o = inputs_for(T, HQ, H, D, M, batch, dtype, decay, kind, seed)
+    mask = padding_mask(batch, T, side)
+    xr = {n: x[n].double().requires_grad_(True) for n in NAMES}
+    ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, scale, mask, xr["slot_bias"])
+    ref_grads = torch.autograd.grad(ref, [xr[n] for n in NAMES], d_o.double())
+    out, grads = kernels(variant, x, scale, d_o, window, mask)
+    errs, finite = errors_of(out, grads, ref, ref_grads, window)
+    base = None
+    if dtype != torch.float32:
+        out0, grads0 = kernels(None, x, scale, d_o, window, mask)
+        base, finite0 = errors_of(out0, grads0, ref, ref_grads, window)
+    return errs, base, finite
+
+
+def verdict(errs, base, finite, dtype):
+    if not finite:
+        return ["non-finite"]
+    if dtype == torch.float32:
+        return [k for k, v in errs.items() if not v <= 1e-5]
+    return [k for k, v in errs.items() if not (v <= 2 * base[k] + 1e-6 and v <= 5e-3)]
+
+
+def main():
+    variant = sys.argv[1]
+    T, HQ, H, D, M, window, batch = (None if a == "None" else int(a) for a in sys.argv[2:9])
+    dtype = getattr(torch, sys.argv[9]) if len(sys.argv) > 9 else torch.float32
+    decay = float(sys.argv[10]) if len(sys.argv) > 10 else 1.0
+    kind = sys.argv[11] if len(sys.argv) > 11 else "random"
+    side = sys.argv[12] if len(sys.argv) > 12 else "left"
+    errs, base, finite = check(variant, T, HQ, H, D, M, window, batch, dtype, decay, kind, side)
+    what = (T, HQ, H, D, M, window, batch, str(dtype)[6:], decay, kind, side)
+    print(f"ERRORS {variant} {what}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
+    if base is not None:
+        print(f"ERRORS defaults {what}: " + " ".join(f"{k}={v:.2e}" for k, v in base.items()))
+    bad = verdict(errs, base, finite, dtype)
+    if bad:
+        print(f"FAIL: {bad}")
+        raise SystemExit(1)
+    print("OK (in bounds)")
+
+
+if __name__ == "__main__":
+    main()

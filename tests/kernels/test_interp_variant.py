@@ -1,0 +1,44 @@
+"""CONFIG variants of the kernels under the Triton CPU interpreter against float64 (`interp_variant.py`): fp32
+under the out-of-bounds checker (every tensor <= 1e-5), bf16 with GPU-like numerics at the defaults' error
+level. Covers the v5 slot backward (CONFIG["slot_backward"] = "triton_v5") on odd shapes: T not a multiple of
+the 64-token chunk, GQA 3:1 and 1:1, D=64 and 128, M=32/64/128, left and right padding, strong decay, real-like
+inputs, windows shifting the slot stream by a whole chunk or a few tokens.
+
+Needs Triton >= 3.9 (skipped otherwise, `interp_support.py`; no GPU needed). Each case runs in a subprocess
+(TRITON_INTERPRET must be set before the kernels are defined), ~10-30 s on 2 CPU cores.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from interp_support import require_interpreter_triton  # noqa: E402
+
+require_interpreter_triton()
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+# (variant, (T, HQ, H, D, M, window, batch, dtype, decay, inputs, padding side))
+CASES = [
+    ("slot_bwd_v5", (100, 6, 2, 64, 32, 64, 2, "float32", 8.0, "random", "left")),
+    ("slot_bwd_v5", (70, 1, 1, 128, 128, 64, 2, "float32", 1.0, "random", "left")),
+    ("slot_bwd_v5", (90, 3, 1, 64, 64, 5, 1, "bfloat16", 1.0, "real_like", "right")),
+    ("slot_bwd_v5_block16", (90, 4, 2, 64, 32, 3, 2, "float32", 1.0, "random", "left")),
+]
+
+
+@pytest.mark.parametrize("variant,case", CASES,
+                         ids=[f"{v}-T{c[0]}_g{c[1]}-{c[2]}_D{c[3]}_M{c[4]}_w{c[5]}_{c[7]}_decay{c[8]:g}_{c[9]}"
+                              for v, c in CASES])
+def test_variant_matches_float64_under_interpreter(variant, case):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "interp_variant.py"), variant, *map(str, case)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    print(run.stdout)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "OK (in bounds)" in run.stdout
