@@ -4,7 +4,7 @@ Compiles each kernel with Triton for a Hopper target (the launch settings the wr
 ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure (the H200 allows ~227 KB per
 block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .version line is lowered.)
 
-    python -m nha_retrofit.kernels.regreport [--quick]
+    python -m nha_retrofit.kernels.regreport [--quick] [--slot-bwd]
 """
 
 import os
@@ -26,7 +26,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, G=BF, O=BF, W
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, O32=F32, DQ=F32, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=F32, DKR=F32, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
-                CONT=F32)
+                CONT=F32, DBR=F32, C_OUT=F32, DK=F32)
 
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
@@ -87,15 +87,39 @@ def cases(HQ, H, D, M):
              8, 1),
             ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
                                                    PREC="tf32"), 4, 2)]
+    return out + v5_cases(HQ, H, D, M)
+
+
+def v5_cases(HQ, H, D, M, launches=((8, 8), (16, 8), (8, 4))):
+    """The v5 slot backward (`slot_bwd_tl`, CONFIG["slot_backward"] = "triton_v5") per (row-block tokens, warps)."""
+    G = HQ // H
+    pow2 = triton.next_power_of_2
+    out = []
+    for bq, warps in launches:
+        common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(64, D),
+                      SPREC="tf32x3")
+        tag = f"block={bq}"
+        out += [(f"slot bwd v5 rows {tag}", slot_bwd_tl._rows_v5_kernel,
+                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", EXACT_DELTA=True), warps, 1),
+                (f"slot bwd v5 state_grad {tag}", slot_bwd_tl._state_grad_v5_kernel, dict(common, DX=D), warps, 1),
+                (f"slot bwd v5 keys (dk+dv) {tag}", slot_bwd_tl._keys_v5_kernel,
+                 dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
+                (f"slot bwd v5 keys (dk only) {tag}", slot_bwd_tl._keys_v5_kernel,
+                 dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
+                (f"slot bwd v5 keys_da {tag}", slot_bwd_tl._keys_da_v5_kernel,
+                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
     return out
 
 
 def main():
     shapes = [(32, 8, 128, 64), (9, 3, 64, 64)]
     quick = "--quick" in sys.argv
+    slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels (v4 and v5)
     for HQ, H, D, M in shapes[:1] if quick else shapes:
         print(f"# HQ={HQ} H={H} D={D} M={M}, bf16, sm_90a")
         for name, fn, consts, warps, stages in cases(HQ, H, D, M):
+            if slot_only and not name.startswith("slot bwd"):
+                continue
             ptrs = dict(WK=BF, WV=BF) if name == "decode" else None  # the window tensors of the decode state
             print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs)}", flush=True)
 
