@@ -116,6 +116,33 @@ def _state_scan_kernel(S, DEC, S0, NCH, M: tl.constexpr, DX: tl.constexpr, BM: t
 
 
 @triton.jit
+def _query_rows(T, H: tl.constexpr, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
+    """The rows of a query-block program (axis 0: the block of CQB tokens from t0, axis 1: batch x kv head):
+    BR rows, token-major (row r: token t = t0 + r // GQ, query head hq = h * GQ + r % GQ), tv the real ones.
+    Returns (pid_bh, b, h, t0, r, tok, t, tv, hq), tok = r // GQ the token inside the block."""
+    pid_q = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    t0 = pid_q * CQB
+    r = tl.arange(0, BR)
+    tok = r // GQ
+    t = t0 + tok
+    tv = (r < CQB * GQ) & (t < T)
+    hq = h * GQ + r % GQ
+    return pid_bh, b, h, t0, r, tok, t, tv, hq
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ: tl.constexpr):
+    """Index lrow of the rows in [B, T, HQ] statistics, and their log-sum-exp and delta (backward kernels)."""
+    lrow = (b * T + t).to(tl.int64) * HQ + hq
+    lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
+    delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+    return lrow, lse, delta
+
+
+@triton.jit
 def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.constexpr):
     """Per row (token t, one of its heads): the summed log gates of the stream positions from the query
     block's start to t inclusive (rows are token-major: a cumsum over the rows that are a token's first
@@ -161,6 +188,8 @@ def _fwd_kernel(
     STORE_F32: tl.constexpr, SPREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr, SPLIT: tl.constexpr,
     BDS: tl.constexpr,
 ):
+    # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
+    # at GQ = 3 (checked by ptxas / cuobjdump)
     pid_q = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H

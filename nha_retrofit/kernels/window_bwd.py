@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import chunk_fwd
-from .chunk_fwd import CQ
+from .chunk_fwd import CQ, _query_rows, _row_stats
 
 # bf16/fp16 inputs: keep p and ds in fp32 (tf32 products) instead of rounding them to the input dtype
 HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
@@ -31,24 +31,14 @@ def _dq_kernel(
 ):
     """dq_rope of the window part; with DELTA_ONLY, instead DELTA[row] = sum_j p_j (dO . v_j) (its window
     share of an exact delta = sum P * dP; the slot backward adds the slot share)."""
-    pid_q = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    t0 = pid_q * CQB
-    r = tl.arange(0, BR)
-    t = t0 + r // GQ
-    hq = h * GQ + r % GQ
-    tv = (r < CQB * GQ) & (t < T)
+    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
     do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
-    lrow = (b * T + t).to(tl.int64) * HQ + hq
-    lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
-    delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+    lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
     dq = tl.zeros([BR, D], dtype=tl.float32)
     dsum = tl.zeros([BR], dtype=tl.float32)
     lo = tl.maximum(t0 - W + 1, 0)
@@ -117,9 +107,7 @@ def _dkv_kernel(
         qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
         orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
         do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
-        lrow = (b * T + t).to(tl.int64) * HQ + hq
-        lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
-        delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+        lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
         s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
         valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :] & tv[:, None]
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
