@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CONFIG, CS, _block_token_decay, _row_decay, alloc, launched, slot_states
+from .chunk_fwd import (CONFIG, CS, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc, launched,
+                        slot_states)
 from .slot_bwd import reverse_scan
 
 BD = 64  # columns per pass over D
@@ -51,25 +52,21 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
 
 
 @triton.jit
-def _rows_kernel(
+def _rows_program(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV, CK, CV,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr, V5: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    t0 = pid_q * CQB
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    t = t0 + tok
-    tv = (r < CQB * GQ) & (t < T)
-    hq = h * GQ + r % GQ
+    """One rows program of `_rows_kernel` (V5 False) or `_rows_v5_kernel` (V5 True). The v5 differences:
+    products with a bf16 operand split as `_dot_xa` / `_dot_xb`; the slot_bias gradient stored per row in DB
+    (v4: added per query head with atomics); E summed over a token's heads in the program and stored (v4:
+    atomics); no state-gradient contributions (CK, CV unused; `_state_grad_v5_kernel` forms them). BT (v5): a
+    power of two >= CQB, the tokens of the E product."""
+    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
     q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
@@ -77,9 +74,7 @@ def _rows_kernel(
     readable = tv & q_real & (t - W >= first)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-    lrow = (b * T + t).to(tl.int64) * HQ + hq
-    lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
-    delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+    lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
 
     c = t0 // CSZ
     cs0 = c * CSZ
@@ -104,7 +99,7 @@ def _rows_kernel(
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
         qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-        xc += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
+        xc += _dot_x(qd.to(tl.float32), tl.trans(skd), SPREC, V5)
     ov = tl.zeros([BR, CSZ], dtype=tl.float32)
     xv = tl.zeros([BR, M], dtype=tl.float32)
     for d0 in range(0, DV, BD):
@@ -112,7 +107,7 @@ def _rows_kernel(
         vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         svd = tl.load(SV + st * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
         ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
-        xv += tl.dot(dod.to(tl.float32), tl.trans(svd), input_precision=SPREC)
+        xv += _dot_x(dod.to(tl.float32), tl.trans(svd), SPREC, V5)
     x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
     x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
     cum = tl.zeros([M], dtype=tl.float32)
@@ -132,14 +127,25 @@ def _rows_kernel(
     dl = p * (dp - delta[:, None])
     wk = dl * scale
 
-    tl.atomic_add(DB + hq, tl.sum(dl, 1), mask=tv)
-    # E per stream position (sum over the G heads of a token) and the row weights of the key passes
-    e_off = (pid_bh.to(tl.int64) * L + t) * M
-    tl.atomic_add(E + e_off[:, None] + offs_m[None, :], dl * lraw + p * dp, mask=tv[:, None])
+    if V5:
+        tl.store(DB + lrow, tl.sum(dl, 1), mask=tv)  # slot_bias gradient per row, summed in PyTorch
+        # E per stream position: the sum over a token's G rows, as a 0/1 selection product (no atomics)
+        it = tl.arange(0, BT)
+        pick = ((tok[None, :] == it[:, None]) & tv[None, :]).to(tl.float32)  # [BT, BR]
+        etok = _dot_xa(pick, tl.where(tv[:, None], dl * lraw + p * dp, 0.0), SPREC)  # [BT, M]
+        te = t0 + it
+        e_off = (pid_bh.to(tl.int64) * L + te) * M
+        tl.store(E + e_off[:, None] + offs_m[None, :], etok, mask=((it < CQB) & (te < T))[:, None])
+    else:
+        tl.atomic_add(DB + hq, tl.sum(dl, 1), mask=tv)
+        # E per stream position (sum over the G heads of a token)
+        e_off = (pid_bh.to(tl.int64) * L + t) * M
+        tl.atomic_add(E + e_off[:, None] + offs_m[None, :], dl * lraw + p * dp, mask=tv[:, None])
+    # the row weights of the key passes
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
-    # dq (slot part) and the contributions to the gradient w.r.t. the state before chunk c
+    # dq (slot part) and (v4) the contributions to the gradient w.r.t. the state before chunk c
     bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
     cum = tl.zeros([M], dtype=tl.float32)
     for jj in range(CQB):
@@ -147,20 +153,43 @@ def _rows_kernel(
                                            tok >= jj, M)
         bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
     wc = wk * e_car
-    cidx = pid_bh.to(tl.int64) * NCH + c
-    for d0 in range(0, D, BD):
-        qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        dq = tl.dot(wc, skd, input_precision=SPREC) + tl.dot(bk, kd.to(tl.float32), input_precision=SPREC)
-        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
-        ck = tl.dot(tl.trans(wc), qd.to(tl.float32), input_precision=SPREC)
-        tl.atomic_add(CK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :], ck)
-    pc = p * e_car
-    for d0 in range(0, DV, BD):
-        dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        cv = tl.dot(tl.trans(pc), dod.to(tl.float32), input_precision=SPREC)
-        tl.atomic_add(CV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :], cv)
+    if V5:
+        for d0 in range(0, D, BD):
+            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+            dq = tl.dot(wc, skd, input_precision=SPREC) + _dot_xb(bk, kd.to(tl.float32), SPREC)
+            tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
+    else:
+        cidx = pid_bh.to(tl.int64) * NCH + c
+        for d0 in range(0, D, BD):
+            qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+            dq = tl.dot(wc, skd, input_precision=SPREC) + tl.dot(bk, kd.to(tl.float32), input_precision=SPREC)
+            tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
+            ck = tl.dot(tl.trans(wc), qd.to(tl.float32), input_precision=SPREC)
+            tl.atomic_add(CK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :], ck)
+        pc = p * e_car
+        for d0 in range(0, DV, BD):
+            dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            cv = tl.dot(tl.trans(pc), dod.to(tl.float32), input_precision=SPREC)
+            tl.atomic_add(CV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :], cv)
+
+
+@triton.jit
+def _rows_kernel(
+    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
+    DQ, DB, E, WK, WV, CK, CV,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    T, W, NCH, L, scale,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr,
+):
+    """`_rows_program` (v4)."""
+    _rows_program(Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, DQ, DB, E, WK, WV, CK, CV,
+                  sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L, scale,
+                  HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BR, BD, PREC, SPREC, EXACT_DELTA, V5=False)
 
 
 @triton.jit
@@ -217,16 +246,17 @@ def _keys_grad_kernel(
 
 
 @triton.jit
-def _keys_da_kernel(
+def _keys_da_program(
     Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, BM: tl.constexpr,
+    SPREC: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, for the
-    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent)."""
+    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent).
+    SPLIT (v5): the k . Rk, v . Rv products split as `_dot_xa`."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     m0 = tl.program_id(2) * BM
@@ -245,11 +275,11 @@ def _keys_da_kernel(
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rkd = tl.load(RK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        uv += tl.dot(kd.to(tl.float32), tl.trans(rkd), input_precision=SPREC)
+        uv += _dot_x(kd.to(tl.float32), tl.trans(rkd), SPREC, SPLIT)
     for d0 in range(0, DV, BD):
         vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
-        uv += tl.dot(vd.to(tl.float32), tl.trans(rvd), input_precision=SPREC)
+        uv += _dot_x(vd.to(tl.float32), tl.trans(rvd), SPREC, SPLIT)
     uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
     r = tl.arange(0, BR)
     tok = r // GQ
@@ -295,6 +325,21 @@ def _keys_da_kernel(
     s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
     tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
+
+
+@triton.jit
+def _keys_da_kernel(
+    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    T, W, NCH, L,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr, BM: tl.constexpr,
+):
+    """`_keys_da_program` (v4)."""
+    _keys_da_program(Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
+                     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L,
+                     HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BD, PREC, SPREC, BM, SPLIT=False)
 
 
 def slot_bwd_precision(prec):
@@ -413,6 +458,16 @@ def _dot_xa(a, b, SPREC: tl.constexpr):
 
 
 @triton.jit
+def _dot_x(a, b, SPREC: tl.constexpr, SPLIT: tl.constexpr):
+    """a . b for an fp32 a whose values are exact in TF32 and fp32 b: as `_dot_xa` with SPLIT (v5), else one
+    product in SPREC (v4)."""
+    if SPLIT:
+        return _dot_xa(a, b, SPREC)
+    else:
+        return tl.dot(a, b, input_precision=SPREC)
+
+
+@triton.jit
 def _rows_v5_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DBR, E, WK, WV,
@@ -422,101 +477,10 @@ def _rows_v5_kernel(
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    t0 = pid_q * CQB
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    t = t0 + tok
-    tv = (r < CQB * GQ) & (t < T)
-    hq = h * GQ + r % GQ
-    offs_c = tl.arange(0, BD)
-    offs_m = tl.arange(0, M)
-    q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
-    first = tl.load(FIRST + b)
-    readable = tv & q_real & (t - W >= first)
-    row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
-    orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-    lrow = (b * T + t).to(tl.int64) * HQ + hq
-    lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
-    delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
-
-    c = t0 // CSZ
-    cs0 = c * CSZ
-    off = t0 - cs0
-    offs_u = tl.arange(0, CSZ)
-    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
-    causal = offs_u[None, :] <= (off + tok)[:, None]
-    a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-    kw = tl.where(jr[:, None] & (offs_u < off)[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
-    e_in = tl.exp(a_in)
-    e_car = tl.exp(a_in + a_ref[None, :])
-    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
-    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
-    st = pid_bh.to(tl.int64) * (NCH + 1) + c
-
-    qk = tl.zeros([BR, CSZ], dtype=tl.float32)
-    xc = tl.zeros([BR, M], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-        xc += _dot_xa(qd.to(tl.float32), tl.trans(skd), SPREC)
-    ov = tl.zeros([BR, CSZ], dtype=tl.float32)
-    xv = tl.zeros([BR, M], dtype=tl.float32)
-    for d0 in range(0, DV, BD):
-        dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        svd = tl.load(SV + st * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
-        ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
-        xv += _dot_xa(dod.to(tl.float32), tl.trans(svd), SPREC)
-    x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
-    x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
-    cum = tl.zeros([M], dtype=tl.float32)
-    for jj in range(CQB):  # the block's own tokens: direct weights
-        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                           tok >= jj, M)
-        sel = offs_u[None, :] == off + jj
-        x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
-        x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
-    lraw = (x_in + xc * e_car) * scale
-    bias = tl.load(BIAS + hq, mask=tv, other=0.0)
-    p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
-    dp = x_ov + xv * e_car
-    if EXACT_DELTA:
-        delta += tl.sum(p * dp, 1)
-        tl.store(DELTA + lrow, delta, mask=tv)
-    dl = p * (dp - delta[:, None])
-    wk = dl * scale
-
-    tl.store(DBR + lrow, tl.sum(dl, 1), mask=tv)  # slot_bias gradient per row, summed in PyTorch
-    # E per stream position: the sum over a token's G rows, as a 0/1 selection product (no atomics)
-    it = tl.arange(0, BT)
-    pick = ((tok[None, :] == it[:, None]) & tv[None, :]).to(tl.float32)  # [BT, BR]
-    etok = _dot_xa(pick, tl.where(tv[:, None], dl * lraw + p * dp, 0.0), SPREC)  # [BT, M]
-    te = t0 + it
-    e_off = (pid_bh.to(tl.int64) * L + te) * M
-    tl.store(E + e_off[:, None] + offs_m[None, :], etok, mask=((it < CQB) & (te < T))[:, None])
-    tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
-    tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
-
-    # dq (slot part)
-    bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
-    cum = tl.zeros([M], dtype=tl.float32)
-    for jj in range(CQB):
-        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                           tok >= jj, M)
-        bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
-    wc = wk * e_car
-    for d0 in range(0, D, BD):
-        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        dq = tl.dot(wc, skd, input_precision=SPREC) + _dot_xb(bk, kd.to(tl.float32), SPREC)
-        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
+    """`_rows_program` (v5)."""
+    _rows_program(Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, DQ, DBR, E, WK, WV, None, None,
+                  sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L, scale,
+                  HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BT, BD, PREC, SPREC, EXACT_DELTA, V5=True)
 
 
 @triton.jit
@@ -655,74 +619,9 @@ def _keys_da_v5_kernel(
 ):
     """`_keys_da_kernel` (DA = E - s UV, XA = -alpha UV for slots m0 .. m0 + BM - 1) with the k . Rk, v . Rv
     products split as `_dot_xa`."""
-    c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    m0 = tl.program_id(2) * BM
-    b = pid_bh // H
-    h = pid_bh % H
-    cs0 = c * CSZ
-    offs_u = tl.arange(0, CSZ)
-    offs_c = tl.arange(0, BD)
-    offs_m = m0 + tl.arange(0, BM)
-    GB = G + m0
-    g, a, j, jr = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
-    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
-    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
-    cidx = pid_bh.to(tl.int64) * NCH + c
-    uv = tl.zeros([CSZ, BM], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        rkd = tl.load(RK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        uv += _dot_xa(kd.to(tl.float32), tl.trans(rkd), SPREC)
-    for d0 in range(0, DV, BD):
-        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
-        uv += _dot_xa(vd.to(tl.float32), tl.trans(rvd), SPREC)
-    uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    hq = h * GQ + r % GQ
-    rok = r < CQB * GQ
-    for blk in range(CSZ // CQB):
-        off = blk * CQB
-        t = cs0 + off + tok
-        tv = rok & (t < T)
-        causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-        row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
-        orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-        qk = tl.zeros([BR, CSZ], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-            qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-        ov = tl.zeros([BR, CSZ], dtype=tl.float32)
-        for d0 in range(0, DV, BD):
-            dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-            vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-            ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
-        w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
-        wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
-        wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
-        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM)
-        e_in = tl.exp(a_in)
-        intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, input_precision=SPREC)
-                 + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, input_precision=SPREC))
-        uv += intra * tl.where((offs_u < off)[:, None], tl.exp(a_ref[None, :] - a), 0.0)
-        cum = tl.zeros([BM], dtype=tl.float32)
-        for jj in range(CQB):
-            e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                               a_in, tok >= jj, BM)
-            sel = offs_u[None, :] == off + jj
-            row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
-                            + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
-            uv += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
-    u = cs0 + offs_u
-    e_off = (pid_bh.to(tl.int64) * L + u) * M
-    e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
-    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
-    tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
+    _keys_da_program(Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
+                     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L,
+                     HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BD, PREC, SPREC, BM, SPLIT=True)
 
 
 def v5_launch():
