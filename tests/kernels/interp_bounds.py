@@ -158,28 +158,14 @@ def run_operator(T, HQ, H, D, M, window, batch=2, side="left", decay=1.0, seed=0
     `variant`: a chunk_fwd.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
     import os
 
-    from interp_variant import use_variant
+    from interp_support import NAMES, kernels_grad
     from nha_oracle import make_inputs, padding_mask
 
-    from nha_retrofit.kernels import chunk_fwd
-    from nha_retrofit.kernels.autograd import nha_attention
-
-    names = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
     inputs = make_inputs(batch, T, HQ, H, D, M, dtype=torch.float32, seed=seed, decay=decay)
-    x = {n: inputs[n].clone().requires_grad_(True) for n in names}
     mask = padding_mask(batch, T, side)
     d_o = torch.randn(batch, T, HQ, D, generator=torch.Generator().manual_seed(seed))
-    saved = use_variant(variant or os.environ.get("NHA_VARIANT"))
-    chunk_fwd.POISON = True
-    try:
-        with bounds_checked():
-            out = nha_attention(*[x[n] for n in names[:6]], window, inputs["scale"], mask, x["slot_bias"])
-            grads = torch.autograd.grad(out, [x[n] for n in names], d_o)
-    finally:
-        chunk_fwd.POISON = False
-        chunk_fwd.CONFIG.clear()
-        chunk_fwd.CONFIG.update(saved)
-    return out, grads
+    return kernels_grad({n: inputs[n] for n in NAMES}, window, inputs["scale"], mask, d_o,
+                        variant or os.environ.get("NHA_VARIANT"), hooks=[bounds_checked()])
 
 
 if __name__ == "__main__":  # [NHA_VARIANT=name] python tests/kernels/interp_bounds.py T HQ H D M WINDOW [BATCH]

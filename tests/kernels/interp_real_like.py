@@ -16,45 +16,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
 TOL = {torch.bfloat16: 5e-3, torch.float32: 1e-5}
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
 def check(T, HQ, H, D, M, window, batch, dtype, seed=0, variant=None):
     """`variant`: a chunk_fwd.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
     from interp_numerics import gpu_numerics
-    from interp_variant import use_variant
+    from interp_support import NAMES, kernels_grad, reference_grad, rel
     from nha_oracle import padding_mask
     from real_like import real_like_inputs
-
-    from nha_retrofit.kernels import chunk_fwd
-    from nha_retrofit.kernels.autograd import nha_attention
-    from nha_retrofit.ops.reference import nha_reference
 
     inputs = real_like_inputs(batch, T, HQ, H, D, M, seed=seed)
     mask = padding_mask(batch, T, "left")
     gen = torch.Generator().manual_seed(seed + 1)
     d_o = torch.randn(batch, T, HQ, D, generator=gen).to(dtype)
     # the model's dtypes: q/k/v/rope and slot_bias in the model dtype, log_alpha fp32 (gate_log_alpha)
-    cast = {n: (torch.float32 if n == "log_alpha" else dtype) for n in NAMES}
-    x = {n: inputs[n].to(cast[n]).requires_grad_(True) for n in NAMES}
-    saved = use_variant(variant or os.environ.get("NHA_VARIANT"))
-    chunk_fwd.POISON = True
-    try:
-        with gpu_numerics():
-            out = nha_attention(*[x[n] for n in NAMES[:6]], window, inputs["scale"], mask, x["slot_bias"])
-            grads = torch.autograd.grad(out, [x[n] for n in NAMES], d_o)
-    finally:
-        chunk_fwd.POISON = False
-        chunk_fwd.CONFIG.clear()
-        chunk_fwd.CONFIG.update(saved)
-    xr = {n: inputs[n].to(cast[n]).double().requires_grad_(True) for n in NAMES}
-    ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, inputs["scale"], mask, xr["slot_bias"])
-    ref_grads = torch.autograd.grad(ref, [xr[n] for n in NAMES], d_o.double())
+    x = {n: inputs[n].to(torch.float32 if n == "log_alpha" else dtype) for n in NAMES}
+    out, grads = kernels_grad(x, window, inputs["scale"], mask, d_o, variant or os.environ.get("NHA_VARIANT"),
+                              hooks=[gpu_numerics()])
+    ref, ref_grads = reference_grad(x, window, inputs["scale"], mask, d_o)
     errors = {"o": rel(out, ref)}
     errors.update({n: rel(g, rg) for n, g, rg in zip(NAMES, grads, ref_grads)})
     finite = bool(torch.isfinite(out).all()) and all(bool(torch.isfinite(g).all()) for g in grads)

@@ -21,21 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
-
-
-def use_variant(name):
-    """Apply CONFIG_VARIANTS[name] to chunk_fwd.CONFIG; returns the previous CONFIG (restore with .update)."""
-    from nha_retrofit.kernels import chunk_fwd
-
-    saved = dict(chunk_fwd.CONFIG)
-    if name:
-        chunk_fwd.CONFIG.update(chunk_fwd.CONFIG_VARIANTS[name])
-    return saved
+from interp_support import NAMES, kernels_grad, reference_grad, rel  # noqa: E402
 
 
 def inputs_for(T, HQ, H, D, M, batch, dtype, decay, kind, seed=0):
@@ -53,28 +39,13 @@ def inputs_for(T, HQ, H, D, M, batch, dtype, decay, kind, seed=0):
 
 
 def kernels(variant, x, scale, d_o, window, mask):
-    """Output and gradients of `nha_attention` under a variant (addresses checked, outputs NaN-poisoned)."""
-    import contextlib
-
+    """Output and gradients of `nha_attention` under a variant (addresses checked, outputs NaN-poisoned; bf16
+    with GPU-like numerics)."""
     from interp_bounds import bounds_checked
     from interp_numerics import gpu_numerics
 
-    from nha_retrofit.kernels import chunk_fwd
-    from nha_retrofit.kernels.autograd import nha_attention
-
-    xs = {n: x[n].clone().requires_grad_(True) for n in NAMES}
-    saved = use_variant(variant)
-    chunk_fwd.POISON = True
-    numerics = gpu_numerics() if x["q"].dtype != torch.float32 else contextlib.nullcontext()
-    try:
-        with bounds_checked(), numerics:
-            out = nha_attention(*[xs[n] for n in NAMES[:6]], window, scale, mask, xs["slot_bias"])
-            grads = torch.autograd.grad(out, [xs[n] for n in NAMES], d_o)
-    finally:
-        chunk_fwd.POISON = False
-        chunk_fwd.CONFIG.clear()
-        chunk_fwd.CONFIG.update(saved)
-    return out, grads
+    hooks = [bounds_checked()] + ([gpu_numerics()] if x["q"].dtype != torch.float32 else [])
+    return kernels_grad(x, window, scale, mask, d_o, variant, hooks)
 
 
 def errors_of(out, grads, ref, ref_grads, window):
@@ -94,13 +65,9 @@ def check(variant, T, HQ, H, D, M, window, batch, dtype=torch.float32, decay=1.0
     """(variant errors, defaults errors or None, finite): the defaults run only for bf16."""
     from nha_oracle import padding_mask
 
-    from nha_retrofit.ops.reference import nha_reference
-
     x, scale, d_o = inputs_for(T, HQ, H, D, M, batch, dtype, decay, kind, seed)
     mask = padding_mask(batch, T, side)
-    xr = {n: x[n].double().requires_grad_(True) for n in NAMES}
-    ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, scale, mask, xr["slot_bias"])
-    ref_grads = torch.autograd.grad(ref, [xr[n] for n in NAMES], d_o.double())
+    ref, ref_grads = reference_grad(x, window, scale, mask, d_o)
     out, grads = kernels(variant, x, scale, d_o, window, mask)
     errs, finite = errors_of(out, grads, ref, ref_grads, window)
     base = None

@@ -11,7 +11,6 @@ blocks half empty in the slot backward), D=128 in two column passes, M=128 slots
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,17 +18,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from interp_support import require_interpreter_triton  # noqa: E402
+from interp_support import require_interpreter_triton, run_interp_script  # noqa: E402
 
 require_interpreter_triton()
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.mark.parametrize("shape", [(70, 1, 1, 128, 128, 64, 2)], ids=lambda s: "T{}_g{}-{}_D{}_M{}_w{}_b{}".format(*s))
 def test_training_kernels_stay_in_bounds_under_interpreter(shape):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interp_bounds.py"), *map(str, shape)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert "in bounds" in run.stdout
+    run_interp_script("interp_bounds.py", *shape, expect="in bounds")

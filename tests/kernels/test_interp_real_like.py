@@ -9,7 +9,6 @@ kernels are defined. Shape: the converted SmolLM2's class (3 query heads per kv 
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,18 +16,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from interp_support import require_interpreter_triton  # noqa: E402
+from interp_support import require_interpreter_triton, run_interp_script  # noqa: E402
 
 require_interpreter_triton()
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.mark.parametrize("shape", [(130, 3, 1, 64, 64, 64, 2)], ids=lambda s: "T{}_g{}-{}_D{}_M{}_w{}_b{}".format(*s))
 def test_bf16_kernels_on_real_like_inputs_under_interpreter(shape):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interp_real_like.py"), *map(str, shape), "bfloat16"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    print(run.stdout)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert "OK" in run.stdout
+    run_interp_script("interp_real_like.py", *shape, "bfloat16", expect="OK")

@@ -9,7 +9,6 @@ Needs Triton >= 3.9 (skipped otherwise, `interp_support.py`; no GPU needed). Eac
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,10 +16,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from interp_support import require_interpreter_triton  # noqa: E402
+from interp_support import require_interpreter_triton, run_interp_script  # noqa: E402
 
 require_interpreter_triton()
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 # (variant, (T, HQ, H, D, M, window, batch, dtype, decay, inputs, padding side))
 CASES = [
@@ -35,10 +33,4 @@ CASES = [
                          ids=[f"{v}-T{c[0]}_g{c[1]}-{c[2]}_D{c[3]}_M{c[4]}_w{c[5]}_{c[7]}_decay{c[8]:g}_{c[9]}"
                               for v, c in CASES])
 def test_variant_matches_float64_under_interpreter(variant, case):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interp_variant.py"), variant, *map(str, case)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    print(run.stdout)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert "OK (in bounds)" in run.stdout
+    run_interp_script("interp_variant.py", variant, *case, expect="OK (in bounds)")
