@@ -52,6 +52,95 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
 
 
 @triton.jit
+def _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr,
+                BD: tl.constexpr):
+    """A keys-side program (axes: stream chunk c, batch x kv head, BD columns): its gates g, their cumsum a,
+    positions j, write weights s of its valid tokens, and to_end = s exp(a_end - a) (the decay to its end)."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    d0 = tl.program_id(2) * BD
+    b = pid_bh // H
+    h = pid_bh % H
+    cs0 = c * CSZ
+    offs_c = d0 + tl.arange(0, BD)
+    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
+    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
+    to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
+    return c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end
+
+
+@triton.jit
+def _row_lanes(h, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
+    """The BR rows of a CQB-token query block: token r // GQ, query head hq, whether the row exists."""
+    r = tl.arange(0, BR)
+    return r, r // GQ, h * GQ + r % GQ, r < CQB * GQ
+
+
+@triton.jit
+def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W,
+               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, A: tl.constexpr,
+               B: tl.constexpr):
+    """Query block at chunk offset off: tokens t, valid rows tv, the causal mask [rows, CS], the gates before
+    it (a_ref), the factored weights kw of the chunk's tokens before it (both factors <= 1), the rows' [rows, M]
+    weights from WA (if A) and WB (if B; zeros where not loaded), and their decays a_in from the block start."""
+    offs_u = tl.arange(0, CSZ)
+    t = cs0 + off + tok
+    tv = rok & (t < T)
+    causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
+    a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
+    kw = tl.where((offs_u < off)[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
+    w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + tl.arange(0, M)[None, :]
+    wa = tl.zeros(w_off.shape, dtype=tl.float32)
+    wb = tl.zeros(w_off.shape, dtype=tl.float32)
+    if A:
+        wa = tl.load(WA + w_off, mask=tv[:, None], other=0.0)
+    if B:
+        wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+    return t, tv, causal, a_ref, kw, wa, wb, a_in
+
+
+@triton.jit
+def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, T, W,
+                   M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr,
+                   A: tl.constexpr, B: tl.constexpr):
+    """[rows, CS] slot-weighted row weights (wa kw^T causal for tokens before the block, direct ones inside it)
+    for wa (if A) and wb (if B); the block's tokens are walked once for both."""
+    offs_u = tl.arange(0, CSZ)
+    e_in = tl.exp(a_in)
+    ba = tl.zeros(causal.shape, dtype=tl.float32)
+    bb = tl.zeros(causal.shape, dtype=tl.float32)
+    if A:
+        ba = tl.where(causal, tl.dot(wa * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    if B:
+        bb = tl.where(causal, tl.dot(wb * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    cum = tl.zeros([M], dtype=tl.float32)
+    for jj in range(CQB):
+        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                           tok >= jj, M)
+        col = offs_u[None, :] == off + jj
+        if A:
+            ba = tl.where(col, tl.sum(wa * e_j * s_j[None, :], 1)[:, None], ba)
+        if B:
+            bb = tl.where(col, tl.sum(wb * e_j * s_j[None, :], 1)[:, None], bb)
+    return ba, bb
+
+
+@triton.jit
+def _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX: tl.constexpr, offs_c):
+    """Y[b, t, hq, offs_c] of the block's rows (0 where a row is out)."""
+    return tl.load(Y + (b * sy_b + t.to(tl.int64) * sy_t + hq * DX)[:, None] + offs_c[None, :], mask=tv[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
+    """OUT[b, j, h, offs_c] = acc for the chunk's positions j in the stream."""
+    jv = (j >= 0) & (j < T - W)
+    tl.store(OUT + (b * so_b + j.to(tl.int64) * so_t + h * so_h)[:, None] + offs_c[None, :], acc, mask=jv[:, None])
+
+
+@triton.jit
 def _rows_program(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV, CK, CV,
@@ -202,47 +291,20 @@ def _keys_grad_kernel(
 ):
     """OUT[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols] for the chunk's tokens
     (dk with (Y, W, R) = (q, Wk, Rk); dv with (dO, Wv, Rv))."""
-    c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    d0 = tl.program_id(2) * BD
-    b = pid_bh // H
-    h = pid_bh % H
-    cs0 = c * CSZ
-    offs_u = tl.arange(0, CSZ)
-    offs_c = d0 + tl.arange(0, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     offs_m = tl.arange(0, M)
-    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
-    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
     rx = tl.load(R + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :])
     acc = tl.dot(to_end, rx, input_precision=SPREC)
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    hq = h * GQ + r % GQ
-    rok = r < CQB * GQ
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        t = cs0 + off + tok
-        tv = rok & (t < T)
-        causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-        # tokens before the block: factored weights (both factors <= 1); the block's own: direct ones
-        kw = tl.where((offs_u < off)[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
-        wst = tl.load(WST + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :],
-                      mask=tv[:, None], other=0.0)
-        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
-        bx = tl.where(causal, tl.dot(wst * tl.exp(a_in), tl.trans(kw), input_precision=SPREC), 0.0)  # [BR, CS]
-        cum = tl.zeros([M], dtype=tl.float32)
-        for jj in range(CQB):
-            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
-            bx = tl.where(offs_u[None, :] == off + jj, tl.sum(wst * e_j * s_j[None, :], 1)[:, None], bx)
-        yrow = b * sy_b + t.to(tl.int64) * sy_t + hq * DX
-        y = tl.load(Y + yrow[:, None] + offs_c[None, :], mask=tv[:, None], other=0.0)
+        t, tv, causal, a_ref, kw, wst, _, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0,
+                                                            off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, True, False)
+        bx, _ = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wst, wst, T, W,
+                               M, CQB, CSZ, SPREC, True, False)
+        y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc += tl.dot(tl.trans(bx), y.to(tl.float32), input_precision=SPREC)
-    orow = b * so_b + j.to(tl.int64) * so_t + h * so_h
-    jv = (j >= 0) & (j < T - W)
-    tl.store(OUT + orow[:, None] + offs_c[None, :], acc, mask=jv[:, None])
+    _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W)
 
 
 @triton.jit
@@ -494,33 +556,16 @@ def _state_grad_v5_kernel(
     """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
     log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
     (q, Wk), CV with (dO, Wv)); `_rows_kernel` added it with atomics."""
-    c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    d0 = tl.program_id(2) * BD
-    b = pid_bh // H
-    h = pid_bh % H
-    cs0 = c * CSZ
-    offs_u = tl.arange(0, CSZ)
-    offs_c = d0 + tl.arange(0, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     offs_m = tl.arange(0, M)
-    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    hq = h * GQ + r % GQ
-    rok = r < CQB * GQ
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     acc = tl.zeros([M, BD], dtype=tl.float32)
     for blk in range(CSZ // CQB):
-        off = blk * CQB
-        t = cs0 + off + tok
-        tv = rok & (t < T)
-        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
-        e_car = tl.exp(a_in + a_ref[None, :])
-        wst = tl.load(WST + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :],
-                      mask=tv[:, None], other=0.0)
-        y = tl.load(Y + (b * sy_b + t.to(tl.int64) * sy_t + hq * DX)[:, None] + offs_c[None, :],
-                    mask=tv[:, None], other=0.0)
-        acc = acc + _dot_xb(tl.trans(wst * e_car), y.to(tl.float32), SPREC)
+        t, tv, causal, a_ref, kw, wst, wb, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s,
+                                                             cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ,
+                                                             True, False)
+        y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
+        acc = acc + _dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
     tl.store(C_OUT + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
 
 
@@ -536,18 +581,8 @@ def _keys_v5_kernel(
     """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
     dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
     dk and (dO, Wv, Rv) for dv (`_keys_grad_kernel`, both in one pass over the row blocks)."""
-    c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    d0 = tl.program_id(2) * BD
-    b = pid_bh // H
-    h = pid_bh % H
-    cs0 = c * CSZ
-    offs_u = tl.arange(0, CSZ)
-    offs_c = d0 + tl.arange(0, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     offs_m = tl.arange(0, M)
-    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
-    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
     cidx = pid_bh.to(tl.int64) * NCH + c
     acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
     acc_v = tl.zeros([CSZ, BD], dtype=tl.float32)
@@ -557,55 +592,21 @@ def _keys_v5_kernel(
     if DO_V:
         acc_v = tl.dot(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]),
                        input_precision=SPREC)
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    hq = h * GQ + r % GQ
-    rok = r < CQB * GQ
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        t = cs0 + off + tok
-        tv = rok & (t < T)
-        causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-        kw = tl.where((offs_u < off)[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
-        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
-        e_in = tl.exp(a_in)
-        w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
-        wk = tl.zeros([BR, M], dtype=tl.float32)
-        wv = tl.zeros([BR, M], dtype=tl.float32)
-        bk = tl.zeros([BR, CSZ], dtype=tl.float32)
-        bv = tl.zeros([BR, CSZ], dtype=tl.float32)
+        t, tv, causal, a_ref, kw, wk, wv, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0,
+                                                            off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, DO_K, DO_V)
+        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, T, W,
+                                M, CQB, CSZ, SPREC, DO_K, DO_V)
         if DO_K:
-            wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
-            bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+            acc_k += _dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
-            wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
-            bv = tl.where(causal, tl.dot(wv * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
-        cum = tl.zeros([M], dtype=tl.float32)
-        for jj in range(CQB):
-            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
-            w_j = e_j * s_j[None, :]
-            col = offs_u[None, :] == off + jj
-            if DO_K:
-                bk = tl.where(col, tl.sum(wk * w_j, 1)[:, None], bk)
-            if DO_V:
-                bv = tl.where(col, tl.sum(wv * w_j, 1)[:, None], bv)
-        if DO_K:
-            y = tl.load(Q + (b * sq_b + t.to(tl.int64) * sq_t + hq * D)[:, None] + offs_c[None, :],
-                        mask=tv[:, None], other=0.0)
-            acc_k += _dot_xb(tl.trans(bk), y.to(tl.float32), SPREC)
-        if DO_V:
-            y = tl.load(DO + (b * so_b + t.to(tl.int64) * so_t + hq * DV)[:, None] + offs_c[None, :],
-                        mask=tv[:, None], other=0.0)
-            acc_v += _dot_xb(tl.trans(bv), y.to(tl.float32), SPREC)
-    jv = (j >= 0) & (j < T - W)
+            acc_v += _dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
     if DO_K:
-        tl.store(DK + (b * sk_b + j.to(tl.int64) * sk_t + h * sk_h)[:, None] + offs_c[None, :], acc_k,
-                 mask=jv[:, None])
+        _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
     if DO_V:
-        tl.store(DV_ + (b * sv_b + j.to(tl.int64) * sv_t + h * sv_h)[:, None] + offs_c[None, :], acc_v,
-                 mask=jv[:, None])
+        _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
 
 
 @triton.jit
