@@ -410,6 +410,30 @@ def slot_bwd_precision(prec):
     return "ieee" if prec == "ieee" else CONFIG.get("slot_bwd_precision", "tf32x3")
 
 
+def _recomputed_states(p):
+    """(Sk, Sv, per-chunk decay) before each chunk, when the forward did not keep them."""
+    sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec, return_decay=True)
+    return sk, slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec), dec
+
+
+def _strides(p, do):
+    """The gate strides and the (q, k, v, gates, dO) strides that the rows and keys_da kernels take."""
+    sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
+    return sg, (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
+                p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
+
+
+def _log_alpha_grad(p, dA, xa):
+    """d log_alpha [B, T, H, M] from the keys_da outputs [B, H, L, M] over stream positions u = j + W: the
+    suffix sum of dA plus xa, shifted back by the window; padding rows get none."""
+    T, W = p.T, p.W
+    dga = dA.flip(2).cumsum(2).flip(2) + xa
+    dla = torch.zeros(p.B, T, p.H, p.M, dtype=torch.float32, device=dA.device)
+    if T > W:
+        dla[:, : T - W] = dga[:, :, W:T].permute(0, 2, 1, 3)
+    return dla * p.mask.bool()[:, :, None, None]
+
+
 def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=None):
     """Same outputs as `slot_bwd.slot_backward`: (dq, dk, dv, dlog_alpha, dslot_bias), fp32.
 
@@ -424,11 +448,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    if states is None:
-        sk, dec = slot_states(p.k, p.log_alpha, p.mask, W, n, p.prec, return_decay=True)
-        sv = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
-    else:
-        sk, sv, dec = states
+    sk, sv, dec = states if states is not None else _recomputed_states(p)
     dq = alloc(B, T, HQ, D, dtype=f32, device=dev)
     dbias = torch.zeros(HQ, dtype=f32, device=dev)
     E = torch.zeros(B, H, L, M, dtype=f32, device=dev)
@@ -439,9 +459,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     BR = max(16, triton.next_power_of_2(BQ * G))
     bd_ = min(BD, D, DV)
     sprec = slot_bwd_precision(p.prec)
-    sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
-    strides = (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-               p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
+    sg, strides = _strides(p, do)
     meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, PREC=p.prec, SPREC=sprec,
                 num_warps=8, num_stages=1)
     _rows_kernel[(triton.cdiv(T, BQ), B * H)](
@@ -467,12 +485,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
         p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, BM=bm, **meta,
     )
     launched("slot bwd keys_da")
-    dga = dA.flip(2).cumsum(2).flip(2) + xa  # [B, H, L, M] over stream positions u = j + W
-    dla = torch.zeros(B, T, H, M, dtype=f32, device=dev)
-    if T > W:
-        dla[:, : T - W] = dga[:, :, W:T].permute(0, 2, 1, 3)
-    dla = dla * p.mask.bool()[:, :, None, None]
-    return dq, dk, dv, dla, dbias
+    return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbias
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -638,11 +651,7 @@ def slot_backward_v5(p, do, lse, delta, scale, exact_delta=False, states=None):
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    if states is None:
-        sk, dec = slot_states(p.k, p.log_alpha, p.mask, W, n, p.prec, return_decay=True)
-        sv = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
-    else:
-        sk, sv, dec = states
+    sk, sv, dec = states if states is not None else _recomputed_states(p)
     bq, warps = v5_launch()
     assert CS % bq == 0, "slot_bwd_v5_block must divide the chunk"
     BR = max(16, triton.next_power_of_2(bq * G))
@@ -654,9 +663,7 @@ def slot_backward_v5(p, do, lse, delta, scale, exact_delta=False, states=None):
     E = alloc(B, H, L, M, dtype=f32, device=dev)
     wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
-    sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
-    strides = (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-               p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
+    sg, strides = _strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec, num_warps=warps, num_stages=1)
     _rows_v5_kernel[(triton.cdiv(T, bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
@@ -696,12 +703,7 @@ def slot_backward_v5(p, do, lse, delta, scale, exact_delta=False, states=None):
         D=D, DV=DV, PREC=p.prec, BM=bm, **common,
     )
     launched("slot bwd v5 keys_da")
-    dga = dA.flip(2).cumsum(2).flip(2) + xa
-    dla = torch.zeros(B, T, H, M, dtype=f32, device=dev)
-    if T > W:
-        dla[:, : T - W] = dga[:, :, W:T].permute(0, 2, 1, 3)
-    dla = dla * p.mask.bool()[:, :, None, None]
-    return dq, dk, dv, dla, dbr.sum((0, 1))
+    return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
 
 
 def _profile(T=32768, repeats=5):
