@@ -81,10 +81,11 @@ def cases(HQ, H, D, M):
     sconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=bq, CSZ=cs, BR=br, BD=min(64, D), PREC="tf32",
                    SPREC="tf32x3")
     gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
-    out += [("slot bwd rows", slot_bwd_tl._rows_kernel, dict(sconsts, EXACT_DELTA=True), 8, 1),
+    out += [("slot bwd rows", slot_bwd_tl._rows_kernel,
+             dict(sconsts, BT=sconsts["BR"], EXACT_DELTA=True, V5=False), 8, 1),
             ("slot bwd keys_grad", slot_bwd_tl._keys_grad_kernel, dict(gconsts, DX=D), 8, 1),
-            ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel, dict(sconsts, BM=min(M, cf.CONFIG["keys_da_slots"] or M)),
-             8, 1),
+            ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel,
+             dict(sconsts, BM=min(M, cf.CONFIG["keys_da_slots"] or M), SPLIT=False), 8, 1),
             ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
                                                    PREC="tf32"), 4, 2)]
     return out + v5_cases(HQ, H, D, M)
@@ -99,15 +100,17 @@ def v5_cases(HQ, H, D, M, launches=((8, 8), (16, 8), (8, 4))):
         common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(64, D),
                       SPREC="tf32x3")
         tag = f"block={bq}"
-        out += [(f"slot bwd v5 rows {tag}", slot_bwd_tl._rows_v5_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", EXACT_DELTA=True), warps, 1),
+        out += [(f"slot bwd v5 rows {tag}", slot_bwd_tl._rows_kernel,
+                 dict(common, CK=None, CV=None, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", EXACT_DELTA=True,
+                      V5=True), warps, 1),
                 (f"slot bwd v5 state_grad {tag}", slot_bwd_tl._state_grad_v5_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd v5 keys (dk+dv) {tag}", slot_bwd_tl._keys_v5_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
                 (f"slot bwd v5 keys (dk only) {tag}", slot_bwd_tl._keys_v5_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
-                (f"slot bwd v5 keys_da {tag}", slot_bwd_tl._keys_da_v5_kernel,
-                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
+                (f"slot bwd v5 keys_da {tag}", slot_bwd_tl._keys_da_kernel,
+                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M), SPLIT=True),
+                 warps, 1)]
     return out
 
 

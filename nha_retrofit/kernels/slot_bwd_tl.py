@@ -141,7 +141,7 @@ def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
 
 
 @triton.jit
-def _rows_program(
+def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV, CK, CV,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
@@ -150,7 +150,7 @@ def _rows_program(
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr, V5: tl.constexpr,
 ):
-    """One rows program of `_rows_kernel` (V5 False) or `_rows_v5_kernel` (V5 True). The v5 differences:
+    """The rows kernel of v4 (V5 False) and v5 (V5 True). The v5 differences:
     products with a bf16 operand split as `_dot_xa` / `_dot_xb`; the slot_bias gradient stored per row in DB
     (v4: added per query head with atomics); E summed over a token's heads in the program and stored (v4:
     atomics); no state-gradient contributions (CK, CV unused; `_state_grad_v5_kernel` forms them). BT (v5): a
@@ -266,22 +266,6 @@ def _rows_program(
 
 
 @triton.jit
-def _rows_kernel(
-    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
-    DQ, DB, E, WK, WV, CK, CV,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
-    T, W, NCH, L, scale,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr,
-):
-    """`_rows_program` (v4)."""
-    _rows_program(Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, DQ, DB, E, WK, WV, CK, CV,
-                  sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L, scale,
-                  HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BR, BD, PREC, SPREC, EXACT_DELTA, V5=False)
-
-
-@triton.jit
 def _keys_grad_kernel(
     Y, WST, R, G, MASK, OUT,
     sy_b, sy_t, so_b, so_t, so_h, sg_b, sg_t, sg_h,
@@ -308,7 +292,7 @@ def _keys_grad_kernel(
 
 
 @triton.jit
-def _keys_da_program(
+def _keys_da_kernel(
     Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, L,
@@ -389,21 +373,6 @@ def _keys_da_program(
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
 
 
-@triton.jit
-def _keys_da_kernel(
-    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
-    T, W, NCH, L,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, BM: tl.constexpr,
-):
-    """`_keys_da_program` (v4)."""
-    _keys_da_program(Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
-                     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L,
-                     HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BD, PREC, SPREC, BM, SPLIT=False)
-
-
 def slot_bwd_precision(prec):
     """Precision of the fp32 products of the slot backward: IEEE for fp32 inputs, else
     CONFIG["slot_bwd_precision"] (3xTF32 by default)."""
@@ -464,7 +433,8 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
                 num_warps=8, num_stages=1)
     _rows_kernel[(triton.cdiv(T, BQ), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), EXACT_DELTA=exact_delta, **meta,
+        dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), BT=BR, EXACT_DELTA=exact_delta, V5=False,
+        **meta,
     )
     launched("slot bwd rows")
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
@@ -482,7 +452,8 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
     bm = min(M, CONFIG.get("keys_da_slots") or M)  # slots per program (M=128: two programs of 64)
     _keys_da_kernel[(n, B * H, M // bm)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, BM=bm, **meta,
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L, BM=bm, SPLIT=False,
+        **meta,
     )
     launched("slot bwd keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbias
@@ -491,14 +462,14 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
 # ---------------------------------------------------------------------------------------------------------------
 # v5 (CONFIG["slot_backward"] = "triton_v5"): the same algebra, no atomics, merged key kernels, split precision.
 #
-# - `_rows_v5_kernel`: as `_rows_kernel` without the state-gradient contributions (CK, CV) and without atomics:
+# - `_rows_kernel` with V5: without the state-gradient contributions (CK, CV) and without atomics:
 #   E is summed over a token's G heads inside the program (a 0/1 selection product) and stored; the slot_bias
 #   gradient is stored per row and summed in PyTorch.
 # - `_state_grad_v5_kernel`, per (chunk, kv head, BD columns): CK / CV of the chunk as one accumulated product
 #   over its row blocks (plain stores; the row weights from WK / WV and the gates).
 # - `_keys_v5_kernel`, per (chunk, kv head, BD columns): dk and dv together (the in-block decays built once
 #   for both; `_keys_grad_kernel` ran twice and built them per launch).
-# - `_keys_da_v5_kernel`: `_keys_da_kernel` with the split products below.
+# - `_keys_da_kernel` with SPLIT: the split products below.
 # Products with one operand that is bf16/fp16 (exact in TF32: q, k, v, dO, 0/1 selections) take two TF32
 # MMAs on a hi/lo split of the fp32 operand (`_dot_xa`, `_dot_xb`) instead of 3xTF32's three: the same
 # accuracy (3xTF32's third MMA multiplies the bf16 operand's low part, which is zero). Products of two fp32
@@ -540,22 +511,6 @@ def _dot_x(a, b, SPREC: tl.constexpr, SPLIT: tl.constexpr):
         return _dot_xa(a, b, SPREC)
     else:
         return tl.dot(a, b, input_precision=SPREC)
-
-
-@triton.jit
-def _rows_v5_kernel(
-    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
-    DQ, DBR, E, WK, WV,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
-    T, W, NCH, L, scale,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr,
-):
-    """`_rows_program` (v5)."""
-    _rows_program(Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, DQ, DBR, E, WK, WV, None, None,
-                  sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L, scale,
-                  HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BT, BD, PREC, SPREC, EXACT_DELTA, V5=True)
 
 
 @triton.jit
@@ -622,22 +577,6 @@ def _keys_v5_kernel(
         _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
 
 
-@triton.jit
-def _keys_da_v5_kernel(
-    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
-    T, W, NCH, L,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, BM: tl.constexpr,
-):
-    """`_keys_da_kernel` (DA = E - s UV, XA = -alpha UV for slots m0 .. m0 + BM - 1) with the k . Rk, v . Rv
-    products split as `_dot_xa`."""
-    _keys_da_program(Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
-                     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t, T, W, NCH, L,
-                     HQ, H, GQ, D, DV, M, CQB, CSZ, BR, BD, PREC, SPREC, BM, SPLIT=True)
-
-
 def v5_launch():
     """(row-block tokens, warps) of the v5 kernels: CONFIG["slot_bwd_v5_block"], CONFIG["slot_bwd_v5_warps"]."""
     return CONFIG.get("slot_bwd_v5_block") or BQ, CONFIG.get("slot_bwd_v5_warps") or 8
@@ -665,10 +604,10 @@ def slot_backward_v5(p, do, lse, delta, scale, exact_delta=False, states=None):
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
     sg, strides = _strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec, num_warps=warps, num_stages=1)
-    _rows_v5_kernel[(triton.cdiv(T, bq), B * H)](
+    _rows_kernel[(triton.cdiv(T, bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale),
-        D=D, DV=DV, BT=BT, PREC=p.prec, EXACT_DELTA=exact_delta, **common,
+        dq, dbr, E, wk, wv, None, None, *strides, T, W, n, L, float(scale),
+        D=D, DV=DV, BT=BT, PREC=p.prec, EXACT_DELTA=exact_delta, V5=True, **common,
     )
     launched("slot bwd v5 rows")
     ck = alloc(B, H, n, M, D, dtype=f32, device=dev)
@@ -698,9 +637,9 @@ def slot_backward_v5(p, do, lse, delta, scale, exact_delta=False, states=None):
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
     bm = min(M, CONFIG.get("keys_da_slots") or M)
-    _keys_da_v5_kernel[(n, B * H, M // bm)](
+    _keys_da_kernel[(n, B * H, M // bm)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
-        D=D, DV=DV, PREC=p.prec, BM=bm, **common,
+        D=D, DV=DV, PREC=p.prec, BM=bm, SPLIT=True, **common,
     )
     launched("slot bwd v5 keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
