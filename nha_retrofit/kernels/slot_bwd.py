@@ -60,6 +60,12 @@ def reverse_scan(cont, dec):
     return out
 
 
+def suffix_sum(x, dim):
+    """Reverse cumulative sum of x along `dim`, scanned along the innermost dimension: PyTorch scans an outer
+    dimension with one thread per column, 11.5 ms for dA [1, 8, 32768, 64] on the H200."""
+    return x.movedim(dim, -1).flip(-1).contiguous().cumsum(-1).flip(-1).movedim(-1, dim)
+
+
 def _interpreting():
     import os
 
@@ -155,7 +161,7 @@ def _slot_backward(p, do, lse, delta, scale, filled0=None):
           + (ein("bhncgj,bhncgm->bhnjm", QK, wk * e_row[:, :, :, :, None])
              + ein("bhncgj,bhncgm->bhnjm", OV, P * e_row[:, :, :, :, None])) * e_neg)
     dA = (E - sa * UV).permute(0, 1, 2, 3, 4).reshape(B, H, L, M)
-    dga = dA.flip(2).cumsum(2).flip(2).view(B, H, n, C, M) - alpha * ra * UV
+    dga = suffix_sum(dA, 2).reshape(B, H, n, C, M) - alpha * ra * UV
 
     def unshift(x):  # stream [B, H, n, C, X] -> tokens [B, T, H, X]
         x = x.permute(0, 2, 3, 1, 4).reshape(B, L, H, -1)

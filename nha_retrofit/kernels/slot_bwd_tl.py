@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .chunk_fwd import (CONFIG, CS, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc, launched,
                         slot_states)
-from .slot_bwd import reverse_scan
+from .slot_bwd import reverse_scan, suffix_sum
 
 BD = 64  # columns per pass over D
 BQ = 8  # query tokens per row block (16 spills 4.5 KB of registers at D=128, 8 warps; 8 spills 0.8 KB)
@@ -396,7 +396,7 @@ def _log_alpha_grad(p, dA, xa):
     """d log_alpha [B, T, H, M] from the keys_da outputs [B, H, L, M] over stream positions u = j + W: the
     suffix sum of dA plus xa, shifted back by the window; padding rows get none."""
     T, W = p.T, p.W
-    dga = dA.flip(2).cumsum(2).flip(2) + xa
+    dga = suffix_sum(dA, 2) + xa
     dla = torch.zeros(p.B, T, p.H, p.M, dtype=torch.float32, device=dA.device)
     if T > W:
         dla[:, : T - W] = dga[:, :, W:T].permute(0, 2, 1, 3)
