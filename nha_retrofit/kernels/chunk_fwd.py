@@ -156,6 +156,23 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.const
 
 
 @triton.jit
+def _block_split(g, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
+    """How the chunk's tokens enter the query block at chunk offset off (g: the chunk's masked gates [CS, M]).
+    Returns a_ref (the summed gates before the block, [M]); `factored` [CS]: the tokens whose slot weights take
+    the factored form exp(a_u - a_ref) * exp(a_ref - a_j) (one matrix product); `direct`: whether the block's
+    own tokens need direct weights exp(a_u - a_j) (a loop of CQB rank-1 updates).
+    Tokens before the block are always factored (both factors <= 1). The block's own tokens are factored too
+    when the block decays by at most LIMIT nats in every slot, so exp(a_ref - a_j) <= exp(LIMIT) stays far
+    from fp32 overflow; a block that resets a slot harder takes the direct loop (exact under any decay)."""
+    offs_u = tl.arange(0, CSZ)
+    before = offs_u < off
+    inside = (offs_u >= off) & (offs_u < off + CQB)
+    a_ref = tl.sum(tl.where(before[:, None], g, 0.0), 0)
+    decay = tl.max(tl.sum(tl.where(inside[:, None], -g, 0.0), 0), 0)
+    return a_ref, tl.where(decay <= LIMIT, before | inside, before), decay > LIMIT
+
+
+@triton.jit
 def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr):
     """Token j of the query block: its decays to the rows that see it, exp(a_u - a_j) = exp(a_in - cum)
     [rows, M] (cum: the block's summed log gates up to j, updated), and its write weight s_j [M]."""
@@ -186,7 +203,7 @@ def _fwd_kernel(
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
     STORE_F32: tl.constexpr, SPREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr, SPLIT: tl.constexpr,
-    BDS: tl.constexpr,
+    BDS: tl.constexpr, LIMIT: tl.constexpr,
 ):
     # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
     # at GQ = 3 (checked by ptxas / cuobjdump)
@@ -253,15 +270,14 @@ def _fwd_kernel(
         g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                     mask=jr[:, None], other=0.0).to(tl.float32)
         a = tl.cumsum(g, axis=0)  # [CS, M], from the chunk start, inclusive
-        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)  # decay before the query block
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
         krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
         if SPLIT:  # row decays by a cumsum over the rows, D in column passes of BDS: fewer live registers
-            # factored weights only for the tokens before the block (both factors <= 1); the block's own
-            # tokens get direct weights below, so no decay can overflow or be clamped
-            kw = tl.where(jr[:, None] & (offs_u < off)[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a),
-                          0.0)
+            # factored weights for the tokens before the block and, unless it decays too hard, inside it
+            # (`_block_split`); else the block's own tokens get direct weights below: nothing can overflow
+            a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+            kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
             a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
             e_in = tl.exp(a_in)  # <= 1 for rows of this block
             e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
@@ -275,6 +291,7 @@ def _fwd_kernel(
                 qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
                 x_car += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
         else:
+            a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)  # decay before the query block
             kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
             q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
             a_row = tl.dot(causal.to(tl.float32), g, input_precision="ieee")  # a at each row's position
@@ -287,11 +304,12 @@ def _fwd_kernel(
         qk = tl.where(causal, qk, 0.0)
         x_in = tl.dot(qk, kw, input_precision=SPREC) * e_in
         if SPLIT:
-            cum = tl.zeros([M], dtype=tl.float32)
-            for jj in range(CQB):
-                e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                                   a_in, tok >= jj, M)
-                x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
+            if direct:
+                cum = tl.zeros([M], dtype=tl.float32)
+                for jj in range(CQB):
+                    e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W,
+                                                       cum, a_in, tok >= jj, M)
+                    x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
         logits = (x_in + x_car * e_car) * scale + bias[:, None]
         first = tl.load(FIRST + b)
@@ -308,11 +326,12 @@ def _fwd_kernel(
         pc = p * e_car
         wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=VPREC), 0.0)
         if SPLIT:
-            cum = tl.zeros([M], dtype=tl.float32)
-            for jj in range(CQB):
-                e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                                   a_in, tok >= jj, M)
-                wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
+            if direct:
+                cum = tl.zeros([M], dtype=tl.float32)
+                for jj in range(CQB):
+                    e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W,
+                                                       cum, a_in, tok >= jj, M)
+                    wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if SPLIT and DV == 2 * BDS:  # the value read in two column halves of acc
@@ -414,7 +433,7 @@ CONFIG = {
     "slot_precision": "tf32x3",  # its fp32 slot-state products (see slot_precision)
     "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
     "fwd_split": True,  # its slot part: row decays by a cumsum, D in 64-column passes (False: v3, spills more)
-    "slot_backward": "triton",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd;
+    "slot_backward": "triton_v5",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd;
     # "triton_v5": slot_bwd_tl's v5 kernels (no atomics, merged key kernels, 2xTF32 where one operand is bf16)
     "slot_bwd_precision": "tf32x3",  # fp32 products of the Triton slot backward (bf16/fp16 inputs)
     "exact_delta": True,  # backward: delta = sum P * dP computed there (no fp32 output copy in the forward)
@@ -433,7 +452,10 @@ CONFIG = {
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program,
     # as v4: at M=128 a [64 x 128] fp32 accumulator and [16 x 128] tiles, the v4 H200 illegal access)
     "slot_bwd_v5_block": None,  # tokens per row block of the v5 slot backward (None: slot_bwd_tl.BQ = 8)
-    "slot_bwd_v5_warps": None,  # warps of the v5 slot backward kernels (None: 8)
+    "slot_bwd_v5_warps": 4,  # warps of the v5 slot backward kernels (None: 8; 4 was 4.0 ms faster at 32K on
+    # the H200 despite more spills)
+    "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
+    # in the factored matrix product; harder blocks walk them with direct weights (0: always direct, as v4/v5)
     "slot_bwd_v5_merge_keys": True,  # v5: dk and dv in one key kernel (False: one launch each, fewer registers)
 }
 
@@ -455,7 +477,9 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
     "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
     "keys_da_all_slots": dict(keys_da_slots=None),
-    "slot_bwd_v5": dict(slot_backward="triton_v5"),
+    "slot_bwd_v4": dict(slot_backward="triton", slot_bwd_v5_warps=None),
+    "slot_bwd_v5": dict(slot_backward="triton_v5", slot_bwd_v5_warps=None),
+    "direct_blocks": dict(block_factor_limit=0.0),
     "slot_bwd_v5_block16": dict(slot_backward="triton_v5", slot_bwd_v5_block=16),
     "slot_bwd_v5_warps4": dict(slot_backward="triton_v5", slot_bwd_v5_warps=4),
     "slot_bwd_v5_split_keys": dict(slot_backward="triton_v5", slot_bwd_v5_merge_keys=False),
@@ -500,7 +524,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP, STORE_F32=o32 is not None,
         SPREC=slot_precision(p.prec), PV_F32=o32 is not None and CONFIG.get("training_pv_fp32", False),
-        SPLIT=CONFIG["fwd_split"], BDS=min(64, D), VPREC=value_precision(p.prec),
+        SPLIT=CONFIG["fwd_split"], BDS=min(64, D), VPREC=value_precision(p.prec), LIMIT=CONFIG["block_factor_limit"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     launched("fused forward")

@@ -68,7 +68,8 @@ def cases(HQ, H, D, M):
         warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", CLAMP=cf.EXP_CLAMP, STORE_F32=True, SPREC=sprec,
-                      PV_F32=False, SPLIT=split, BDS=min(64, D), VPREC=vprec)
+                      PV_F32=False, SPLIT=split, BDS=min(64, D), VPREC=vprec,
+                      LIMIT=cf.CONFIG["block_factor_limit"])
         out.append((f"fwd block={cq} split={split} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
     br = max(16, pow2(cf.CQ * G))
@@ -79,7 +80,7 @@ def cases(HQ, H, D, M):
             ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     br = max(16, pow2(bq * G))
     sconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=bq, CSZ=cs, BR=br, BD=min(64, D), PREC="tf32",
-                   SPREC="tf32x3")
+                   SPREC="tf32x3", LIMIT=cf.CONFIG["block_factor_limit"])
     gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
     out += [("slot bwd rows", slot_bwd_tl._rows_kernel,
              dict(sconsts, BT=sconsts["BR"], EXACT_DELTA=True, V5=False), 8, 1),
@@ -98,7 +99,7 @@ def v5_cases(HQ, H, D, M, launches=((8, 8), (16, 8), (8, 4))):
     out = []
     for bq, warps in launches:
         common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(64, D),
-                      SPREC="tf32x3")
+                      SPREC="tf32x3", LIMIT=cf.CONFIG["block_factor_limit"])
         tag = f"block={bq}"
         out += [(f"slot bwd v5 rows {tag}", slot_bwd_tl._rows_kernel,
                  dict(common, CK=None, CV=None, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", EXACT_DELTA=True,

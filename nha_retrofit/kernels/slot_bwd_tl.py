@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (CONFIG, CS, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc, launched,
+from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc, launched,
                         slot_states)
 from .slot_bwd import reverse_scan, suffix_sum
 
@@ -78,17 +78,18 @@ def _row_lanes(h, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
 
 @triton.jit
 def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W,
-               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, A: tl.constexpr,
-               B: tl.constexpr):
+               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
+               LIMIT: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
     """Query block at chunk offset off: tokens t, valid rows tv, the causal mask [rows, CS], the gates before
-    it (a_ref), the factored weights kw of the chunk's tokens before it (both factors <= 1), the rows' [rows, M]
-    weights from WA (if A) and WB (if B; zeros where not loaded), and their decays a_in from the block start."""
+    it (a_ref), the factored weights kw (`_block_split`: the chunk's tokens before the block, and inside it
+    unless `direct`), the rows' [rows, M] weights from WA (if A) and WB (if B; zeros where not loaded), their
+    decays a_in from the block start, and `direct` (the block's tokens need direct weights)."""
     offs_u = tl.arange(0, CSZ)
     t = cs0 + off + tok
     tv = rok & (t < T)
     causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-    a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-    kw = tl.where((offs_u < off)[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
+    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    kw = tl.where(factored[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
     w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + tl.arange(0, M)[None, :]
     wa = tl.zeros(w_off.shape, dtype=tl.float32)
     wb = tl.zeros(w_off.shape, dtype=tl.float32)
@@ -97,15 +98,15 @@ def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, to
     if B:
         wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
     a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
-    return t, tv, causal, a_ref, kw, wa, wb, a_in
+    return t, tv, causal, a_ref, kw, wa, wb, a_in, direct
 
 
 @triton.jit
-def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, T, W,
+def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, direct, T, W,
                    M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr,
                    A: tl.constexpr, B: tl.constexpr):
-    """[rows, CS] slot-weighted row weights (wa kw^T causal for tokens before the block, direct ones inside it)
-    for wa (if A) and wb (if B); the block's tokens are walked once for both."""
+    """[rows, CS] slot-weighted row weights (wa kw^T causal for the factored tokens; with `direct`, direct ones
+    for the block's own tokens, walked once for both) for wa (if A) and wb (if B)."""
     offs_u = tl.arange(0, CSZ)
     e_in = tl.exp(a_in)
     ba = tl.zeros(causal.shape, dtype=tl.float32)
@@ -114,15 +115,16 @@ def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a
         ba = tl.where(causal, tl.dot(wa * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
     if B:
         bb = tl.where(causal, tl.dot(wb * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
-    cum = tl.zeros([M], dtype=tl.float32)
-    for jj in range(CQB):
-        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                           tok >= jj, M)
-        col = offs_u[None, :] == off + jj
-        if A:
-            ba = tl.where(col, tl.sum(wa * e_j * s_j[None, :], 1)[:, None], ba)
-        if B:
-            bb = tl.where(col, tl.sum(wb * e_j * s_j[None, :], 1)[:, None], bb)
+    if direct:
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            col = offs_u[None, :] == off + jj
+            if A:
+                ba = tl.where(col, tl.sum(wa * e_j * s_j[None, :], 1)[:, None], ba)
+            if B:
+                bb = tl.where(col, tl.sum(wb * e_j * s_j[None, :], 1)[:, None], bb)
     return ba, bb
 
 
@@ -148,7 +150,7 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr, V5: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, EXACT_DELTA: tl.constexpr, V5: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """The rows kernel of v4 (V5 False) and v5 (V5 True). The v5 differences:
     products with a bf16 operand split as `_dot_xa` / `_dot_xb`; the slot_bias gradient stored per row in DB
@@ -171,8 +173,8 @@ def _rows_kernel(
     offs_u = tl.arange(0, CSZ)
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
     causal = offs_u[None, :] <= (off + tok)[:, None]
-    a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
-    kw = tl.where(jr[:, None] & (offs_u < off)[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
+    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
     a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
     e_in = tl.exp(a_in)
     e_car = tl.exp(a_in + a_ref[None, :])
@@ -199,13 +201,14 @@ def _rows_kernel(
         xv += _dot_x(dod.to(tl.float32), tl.trans(svd), SPREC, V5)
     x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
     x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
-    cum = tl.zeros([M], dtype=tl.float32)
-    for jj in range(CQB):  # the block's own tokens: direct weights, as the forward
-        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                           tok >= jj, M)
-        sel = offs_u[None, :] == off + jj
-        x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
-        x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
+    if direct:  # the block's own tokens: direct weights, as the forward
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            sel = offs_u[None, :] == off + jj
+            x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
+            x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
     lraw = (x_in + xc * e_car) * scale
     bias = tl.load(BIAS + hq, mask=tv, other=0.0)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
@@ -236,11 +239,12 @@ def _rows_kernel(
 
     # dq (slot part) and (v4) the contributions to the gradient w.r.t. the state before chunk c
     bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
-    cum = tl.zeros([M], dtype=tl.float32)
-    for jj in range(CQB):
-        e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                           tok >= jj, M)
-        bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
+    if direct:
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
     wc = wk * e_car
     if V5:
         for d0 in range(0, D, BD):
@@ -272,6 +276,7 @@ def _keys_grad_kernel(
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     """OUT[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols] for the chunk's tokens
     (dk with (Y, W, R) = (q, Wk, Rk); dv with (dO, Wv, Rv))."""
@@ -282,10 +287,11 @@ def _keys_grad_kernel(
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        t, tv, causal, a_ref, kw, wst, _, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0,
-                                                            off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, True, False)
-        bx, _ = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wst, wst, T, W,
-                               M, CQB, CSZ, SPREC, True, False)
+        t, tv, causal, a_ref, kw, wst, _, a_in, direct = _row_block(
+            G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
+            LIMIT, True, False)
+        bx, _ = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wst, wst, direct,
+                               T, W, M, CQB, CSZ, SPREC, True, False)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc += tl.dot(tl.trans(bx), y.to(tl.float32), input_precision=SPREC)
     _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W)
@@ -298,7 +304,7 @@ def _keys_da_kernel(
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
-    SPREC: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
+    SPREC: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, for the
     slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent).
@@ -336,7 +342,7 @@ def _keys_da_kernel(
         t = cs0 + off + tok
         tv = rok & (t < T)
         causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-        a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)
+        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
         orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
         qk = tl.zeros([BR, CSZ], dtype=tl.float32)
@@ -356,15 +362,16 @@ def _keys_da_kernel(
         e_in = tl.exp(a_in)
         intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, input_precision=SPREC)
                  + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, input_precision=SPREC))
-        uv += intra * tl.where((offs_u < off)[:, None], tl.exp(a_ref[None, :] - a), 0.0)  # tokens before the block
-        cum = tl.zeros([BM], dtype=tl.float32)
-        for jj in range(CQB):  # the block's own tokens
-            e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                               a_in, tok >= jj, BM)
-            sel = offs_u[None, :] == off + jj
-            row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
-                            + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
-            uv += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
+        uv += intra * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
+        if direct:  # the block's own tokens
+            cum = tl.zeros([BM], dtype=tl.float32)
+            for jj in range(CQB):
+                e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                                   a_in, tok >= jj, BM)
+                sel = offs_u[None, :] == off + jj
+                row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
+                                + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
+                uv += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
     u = cs0 + offs_u
     e_off = (pid_bh.to(tl.int64) * L + u) * M
     e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
@@ -429,8 +436,9 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     bd_ = min(BD, D, DV)
     sprec = slot_bwd_precision(p.prec)
     sg, strides = _strides(p, do)
+    limit = CONFIG["block_factor_limit"]
     meta = dict(HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, PREC=p.prec, SPREC=sprec,
-                num_warps=8, num_stages=1)
+                LIMIT=limit, num_warps=8, num_stages=1)
     _rows_kernel[(triton.cdiv(T, BQ), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbias, E, wk, wv, ck, cv, *strides, T, W, n, L, float(scale), BT=BR, EXACT_DELTA=exact_delta, V5=False,
@@ -440,7 +448,7 @@ def slot_backward_triton(p, do, lse, delta, scale, exact_delta=False, states=Non
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
     dk = torch.zeros(B, T, H, D, dtype=f32, device=dev)
     dv = torch.zeros(B, T, H, DV, dtype=f32, device=dev)
-    gmeta = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
+    gmeta = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=BQ, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec, LIMIT=limit,
                  num_warps=8, num_stages=1)
     for y, wst, rx, out, dx in ((p.q, wk, rk, dk, D), (do, wv, rv, dv, DV)):
         _keys_grad_kernel[(n, B * H, dx // bd_)](
@@ -520,6 +528,7 @@ def _state_grad_v5_kernel(
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
     log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
@@ -529,9 +538,9 @@ def _state_grad_v5_kernel(
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     acc = tl.zeros([M, BD], dtype=tl.float32)
     for blk in range(CSZ // CQB):
-        t, tv, causal, a_ref, kw, wst, wb, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s,
-                                                             cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ,
-                                                             True, False)
+        t, tv, causal, a_ref, kw, wst, wb, a_in, _ = _row_block(
+            G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
+            CSZ, LIMIT, True, False)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc = acc + _dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
     tl.store(C_OUT + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
@@ -544,7 +553,7 @@ def _keys_v5_kernel(
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-    DO_K: tl.constexpr, DO_V: tl.constexpr,
+    DO_K: tl.constexpr, DO_V: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
     dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
@@ -563,10 +572,11 @@ def _keys_v5_kernel(
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        t, tv, causal, a_ref, kw, wk, wv, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0,
-                                                            off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, DO_K, DO_V)
-        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, T, W,
-                                M, CQB, CSZ, SPREC, DO_K, DO_V)
+        t, tv, causal, a_ref, kw, wk, wv, a_in, direct = _row_block(
+            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
+            LIMIT, DO_K, DO_V)
+        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
+                                T, W, M, CQB, CSZ, SPREC, DO_K, DO_V)
         if DO_K:
             acc_k += _dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
@@ -603,7 +613,8 @@ def slot_backward_v5(p, do, lse, delta, scale, exact_delta=False, states=None):
     wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
     sg, strides = _strides(p, do)
-    common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec, num_warps=warps, num_stages=1)
+    common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
+                  LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=1)
     _rows_kernel[(triton.cdiv(T, bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, None, None, *strides, T, W, n, L, float(scale),

@@ -1,0 +1,50 @@
+"""One NHA forward + backward at the Llama-3-8B attention shape, for a profiler (GPU).
+
+Warms up (compiles every kernel), then runs one forward + backward inside a CUDA profiler range, so Nsight
+Compute can capture each kernel launch once:
+
+    ncu --clock-control none --profile-from-start off --set full --import-source yes \
+        -o prof python3 benchmarks/kernel_profile.py --T 32768
+    ncu --import prof.ncu-rep --page details --csv > details.csv
+
+`--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ops import D, HQ, nha_inputs  # noqa: E402
+
+from nha_retrofit.kernels import chunk_fwd, nha_attention  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--config", default="{}")
+    args = ap.parse_args()
+    chunk_fwd.CONFIG.update(json.loads(args.config))
+    x = nha_inputs(args.T, True)
+    leaves = [x[n] for n in ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")]
+    do = torch.randn(1, args.T, HQ, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o = nha_attention(*leaves[:6], args.window, D**-0.5, None, leaves[6])
+        torch.autograd.grad(o, leaves, do)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
