@@ -470,6 +470,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_v3": dict(fwd_split=False),
     "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
     "fwd_block8": dict(fwd_block=8),
+    "fwd_warps4": dict(num_warps_64=4),
     "save_states": dict(save_states=True),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),

@@ -174,7 +174,8 @@ def test_prefill_in_two_parts_with_carried_state(window):
 
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_tf32", "bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "fwd_block8",
-    "save_states", "slot_bwd_v4", "slot_bwd_v5", "slot_bwd_v5_split_keys", "direct_blocks")}
+    "save_states", "slot_bwd_v4", "slot_bwd_v5", "slot_bwd_v5_split_keys", "direct_blocks", "fwd_warps4",
+    "slot_bwd_v5_block16")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
