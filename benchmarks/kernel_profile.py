@@ -1,12 +1,13 @@
-"""One NHA forward + backward at the Llama-3-8B attention shape, for a profiler (GPU).
+"""NHA forward + backward at the Llama-3-8B attention shape under a profiler (GPU).
 
-Warms up (compiles every kernel), then runs one forward + backward inside a CUDA profiler range, so Nsight
-Compute can capture each kernel launch once:
+Default: warms up (compiles every kernel), then runs one forward + backward inside a CUDA profiler range, so
+Nsight Compute captures each kernel launch once:
 
     ncu --clock-control none --profile-from-start off --set full --import-source yes \
         -o prof python3 benchmarks/kernel_profile.py --T 32768
     ncu --import prof.ncu-rep --page details --csv > details.csv
 
+`--kernel-times N`: GPU time per kernel over N forward + backward steps (torch.profiler), no Nsight needed.
 `--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 
@@ -28,6 +29,7 @@ def main():
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--config", default="{}")
+    ap.add_argument("--kernel-times", type=int, default=0, metavar="N")
     args = ap.parse_args()
     chunk_fwd.CONFIG.update(json.loads(args.config))
     x = nha_inputs(args.T, True)
@@ -40,6 +42,16 @@ def main():
 
     step()
     torch.cuda.synchronize()
+    if args.kernel_times:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.kernel_times):
+                step()
+            torch.cuda.synchronize()
+        print(f"# T={args.T}, w={args.window}: {args.kernel_times} forward + backward steps (totals)")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+        return
     torch.cuda.profiler.start()
     step()
     torch.cuda.synchronize()

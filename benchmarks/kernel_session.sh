@@ -33,8 +33,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 # most important first: a step that runs out of time loses the least
 # a shorter session: BUDGET, the CAP_* step limits, VARIANTS and OPS_LENGTHS from the environment
-DEFAULT_VARIANTS=defaults,values_tf32,fwd_tf32,fwd_block8,fwd_block8_values_tf32,fwd_block8_tf32,fwd_v3,save_states
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,scan_tile_8x32,scan_tile_4x32,rowsum_delta,bwd_tf32,window_dkv_8warps,torch_slot_bwd
+DEFAULT_VARIANTS=defaults,values_tf32,fwd_tf32,fwd_block8,fwd_warps4,direct_blocks,save_states,scan_tile_8x32
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,bwd_tf32,window_dkv_8warps,slot_bwd_8warps,slot_bwd_block16,slot_bwd_split_keys
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" $PY "${PT[@]}" tests/kernels -k "not config_variants"
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \

@@ -169,8 +169,7 @@ def run_decode(layers=28, window=64):
 def parts(T=32768, w=64):
     """Time each stage of the NHA kernel path separately (forward stages, window backward, slot backward)."""
     from nha_retrofit.kernels import chunk_fwd
-    from nha_retrofit.kernels.slot_bwd import slot_backward
-    from nha_retrofit.kernels.slot_bwd_tl import slot_backward_triton
+    from nha_retrofit.kernels.slot_bwd import slot_backward_triton
     from nha_retrofit.kernels.window_bwd import window_backward, window_delta
 
     x = nha_inputs(T, False)
@@ -179,32 +178,22 @@ def parts(T=32768, w=64):
     out["prepare"] = bench(lambda: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],
                                                       x["log_alpha"], w, None, x["slot_bias"]))
     out["slot_states(k)"] = bench(lambda: chunk_fwd.slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec))
-    for tile in ((8, 32), (4, 32)):
-        chunk_fwd.CONFIG["scan_tile"] = tile
-        out[f"slot_states(k), scan tile {tile}"] = bench(
-            lambda: chunk_fwd.slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec))
-    chunk_fwd.CONFIG["scan_tile"] = None
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
     out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
-    out["fwd total + fp32 copy"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True, want_f32=True))
-    o, lse, _, o32 = chunk_fwd.forward(p, D**-0.5, True, want_f32=True)
+    o, lse, _ = chunk_fwd.forward(p, D**-0.5, True)
     do = torch.randn_like(o)
-    delta = (do.float() * o32).sum(-1)
-    out["window bwd (triton)"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
-    out["slot bwd (torch+scan)"] = bench(lambda: slot_backward(p, do, lse, delta, D**-0.5))
-    out["slot bwd (triton)"] = bench(lambda: slot_backward_triton(p, do, lse, delta, D**-0.5))
-    out["window delta (exact delta)"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
-    wd = window_delta(p, do, lse, D**-0.5)
-    out["slot bwd (triton, exact delta)"] = bench(
-        lambda: slot_backward_triton(p, do, lse, wd.clone(), D**-0.5, exact_delta=True))
+    out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
+    delta = window_delta(p, do, lse, D**-0.5)
+    out["slot bwd"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5))
+    slot_backward_triton(p, do, lse, delta, D**-0.5)  # completes delta with the slot share
+    out["window bwd"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
     for k, v in out.items():
         print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
     return out
 
 
-FWD_SAME = {"bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "window_dkv_8warps",
-            "save_states"}  # forward
-# as the defaults (rowsum_delta's training forward also writes the fp32 output copy: timed with fwd+bwd)
+FWD_SAME = {"bwd_tf32", "window_dkv_8warps", "save_states", "slot_bwd_8warps", "slot_bwd_block16",
+            "slot_bwd_split_keys"}  # forward as the defaults: timed with fwd+bwd only
 
 
 def variants(lengths, names, w=64):

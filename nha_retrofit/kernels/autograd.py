@@ -4,8 +4,7 @@ import torch
 
 from ..modeling.nha_state import NHAState
 from . import chunk_fwd
-from .slot_bwd import slot_backward
-from .slot_bwd_tl import slot_backward_triton
+from .slot_bwd import slot_backward_triton
 from .window_bwd import window_backward, window_delta
 
 
@@ -18,26 +17,21 @@ class _NHAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias)
         has_slots = _has_slots(prep)
-        # exact delta = sum P * dP in the backward, else rowsum(dO * O) from an fp32 copy of the output
-        exact = has_slots and chunk_fwd.CONFIG["exact_delta"] and chunk_fwd.CONFIG["slot_backward"] != "torch"
-        want_f32 = any(ctx.needs_input_grad) and not exact
-        o, lse, states, o32 = chunk_fwd.forward(prep, scale, has_slots, want_f32=want_f32)
-        o32 = o if o32 is None else o32
-        ctx.prep, ctx.scale, ctx.has_slots, ctx.exact = prep, scale, has_slots, exact
+        o, lse, states = chunk_fwd.forward(prep, scale, has_slots)
+        ctx.prep, ctx.scale, ctx.has_slots = prep, scale, has_slots
         ctx.states = states if chunk_fwd.CONFIG["save_states"] and any(ctx.needs_input_grad) else None
         ctx.bias_none = slot_bias is None
-        ctx.save_for_backward(o32, lse)
+        ctx.save_for_backward(lse)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        o, lse = ctx.saved_tensors
+        (lse,) = ctx.saved_tensors
         p, scale = ctx.prep, ctx.scale
         do = do.contiguous()
-        if ctx.exact:
-            delta = window_delta(p, do, lse, scale)  # the slot backward adds its share in place
-        else:
-            delta = (do.float() * o.float()).sum(-1).contiguous()  # [B, T, HQ]
+        # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): the window share here, the slot
+        # backward adds its share in place
+        delta = window_delta(p, do, lse, scale)
         f32 = torch.float32
         dq = torch.zeros(p.B, p.T, p.HQ, p.D, dtype=f32, device=do.device)
         dk = torch.zeros(p.B, p.T, p.H, p.D, dtype=f32, device=do.device)
@@ -47,10 +41,7 @@ class _NHAFunction(torch.autograd.Function):
         dqr = torch.zeros_like(dq)
         dkr = torch.zeros_like(dk)
         if ctx.has_slots:
-            if chunk_fwd.CONFIG["slot_backward"] == "torch" and not ctx.exact:
-                dq, dk, dv, dla, dbias = slot_backward(p, do, lse, delta, scale)
-            else:
-                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.exact, ctx.states)
+            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.states)
             ctx.states = None
         if p.W > 0:
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
@@ -89,7 +80,7 @@ def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, atten
     filled0 = initial_state.slots_filled
     has_slots = _has_slots(prep, bool(filled0.any()))
     carried = bool(filled0.any())
-    o, _, states, _ = chunk_fwd.forward(
+    o, _, states = chunk_fwd.forward(
         prep, scale, has_slots,
         initial_keys=initial_state.slot_keys if carried else None,
         initial_values=initial_state.slot_values if carried else None,

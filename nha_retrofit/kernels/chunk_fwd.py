@@ -15,13 +15,12 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
    values, and stores o and the joint log-sum-exp L (natural log; +inf for rows with nothing visible, so a
    backward pass gets exp(s - L) = 0 there).
 
-Intra-chunk decays are factored around a reference point at the start of the query block: for rows of the
-block and earlier tokens of the chunk both factors are <= 1. With CONFIG["fwd_split"] (default) the block's
-own tokens get direct weights exp(a_u - a_j) s_j (a loop of CQ rank-1 updates), exact under any decay; the
-slot part takes q, k and the state in 64-column passes, the row decays from a cumsum over the rows, and the
-value read in two column halves of the accumulator, so fewer [rows x 128] fp32 tiles are live at once
-(register spills, `regreport.py`). Without it (v3) the in-block factor exp(a_ref - a_j) >= 1 is clamped at
-exp(80): wrong once a block's tokens decay by more than ~80 nats.
+Intra-chunk decays are factored around the start of the query block (`_block_split`): tokens of the chunk
+before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
+block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
+exp(a_u - a_j) s_j (a loop of CQ rank-1 updates), so no decay overflows. The slot part takes q, k and the state
+in 64-column passes, the row decays from a cumsum over the rows, and the value read in two column halves of the
+accumulator, so fewer [rows x 128] fp32 tiles are live at once (register spills, `regreport.py`).
 """
 
 import os
@@ -32,7 +31,6 @@ import triton.language as tl
 
 CQ = 16  # query tokens per program of the fused kernel
 CS = 64  # tokens per slot-state chunk (multiple of CQ)
-EXP_CLAMP = 80.0
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
 
 
@@ -185,25 +183,22 @@ def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen
 
 
 @triton.jit
-def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr):
+def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr):
     """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
     acc += tl.dot(pc, tl.load(SVP + cols[None, :]), input_precision=VPREC)
     vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
-    if PV_F32:
-        return acc + tl.dot(wm, vj.to(tl.float32), input_precision=VPREC)
     return acc + tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE, O32,
+    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
-    STORE_F32: tl.constexpr, SPREC: tl.constexpr, VPREC: tl.constexpr, PV_F32: tl.constexpr, SPLIT: tl.constexpr,
-    BDS: tl.constexpr, LIMIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr,
 ):
     # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
     # at GQ = 3 (checked by ptxas / cuobjdump)
@@ -249,10 +244,7 @@ def _fwd_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                          mask=jin[:, None], other=0.0)
-            if PV_F32:
-                acc = acc * alpha[:, None] + tl.dot(p, vv.to(tl.float32), input_precision=VPREC)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
             m_i = m_new
 
     if HAS_SLOTS:
@@ -273,43 +265,31 @@ def _fwd_kernel(
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
         krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
-        if SPLIT:  # row decays by a cumsum over the rows, D in column passes of BDS: fewer live registers
-            # factored weights for the tokens before the block and, unless it decays too hard, inside it
-            # (`_block_split`); else the block's own tokens get direct weights below: nothing can overflow
-            a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
-            kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-            a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
-            e_in = tl.exp(a_in)  # <= 1 for rows of this block
-            e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
-            offs_c = tl.arange(0, BDS)
-            qk = tl.zeros([BR, CSZ], dtype=tl.float32)
-            x_car = tl.zeros([BR, M], dtype=tl.float32)
-            for d0 in range(0, D, BDS):
-                qd = tl.load(Q + row_off[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-                kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-                skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-                qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-                x_car += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
-        else:
-            a_ref = tl.sum(tl.where(offs_u[:, None] < off, g, 0.0), 0)  # decay before the query block
-            kw = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(tl.minimum(a_ref[None, :] - a, CLAMP)), 0.0)
-            q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
-            a_row = tl.dot(causal.to(tl.float32), g, input_precision="ieee")  # a at each row's position
-            e_in = tl.exp(a_row - a_ref[None, :])  # <= 1 for rows of this block
-            e_car = tl.exp(a_row)  # <= 1
-            kj = tl.load(K + krow[:, None] + offs_d[None, :], mask=jr[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(kj), input_precision=PREC)
-            sk = tl.load(SK + st * M * D + offs_m[:, None] * D + offs_d[None, :])
-            x_car = tl.dot(q.to(tl.float32), tl.trans(sk), input_precision=SPREC)
+        # row decays by a cumsum over the rows, D in column passes of BDS (fewer live registers); factored
+        # weights for the tokens before the block and, unless it decays too hard, inside it (`_block_split`);
+        # else the block's own tokens get direct weights below: nothing can overflow
+        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
+        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
+        e_in = tl.exp(a_in)  # <= 1 for rows of this block
+        e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
+        offs_c = tl.arange(0, BDS)
+        qk = tl.zeros([BR, CSZ], dtype=tl.float32)
+        x_car = tl.zeros([BR, M], dtype=tl.float32)
+        for d0 in range(0, D, BDS):
+            qd = tl.load(Q + row_off[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+            qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
+            x_car += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
         qk = tl.where(causal, qk, 0.0)
         x_in = tl.dot(qk, kw, input_precision=SPREC) * e_in
-        if SPLIT:
-            if direct:
-                cum = tl.zeros([M], dtype=tl.float32)
-                for jj in range(CQB):
-                    e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W,
-                                                       cum, a_in, tok >= jj, M)
-                    x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
+        if direct:
+            cum = tl.zeros([M], dtype=tl.float32)
+            for jj in range(CQB):
+                e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                                   a_in, tok >= jj, M)
+                x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
         logits = (x_in + x_car * e_car) * scale + bias[:, None]
         first = tl.load(FIRST + b)
@@ -325,23 +305,22 @@ def _fwd_kernel(
         m_i = m_new
         pc = p * e_car
         wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=VPREC), 0.0)
-        if SPLIT:
-            if direct:
-                cum = tl.zeros([M], dtype=tl.float32)
-                for jj in range(CQB):
-                    e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W,
-                                                       cum, a_in, tok >= jj, M)
-                    wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
+        if direct:
+            cum = tl.zeros([M], dtype=tl.float32)
+            for jj in range(CQB):
+                e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                                   a_in, tok >= jj, M)
+                wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
-        if SPLIT and DV == 2 * BDS:  # the value read in two column halves of acc
+        if DV == 2 * BDS:  # the value read in two column halves of acc
             halves = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BDS]), [0, 2, 1]))
             cols = tl.arange(0, BDS)
-            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, cols, PREC, VPREC, PV_F32)
-            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, BDS + cols, PREC, VPREC, PV_F32)
+            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, cols, PREC, VPREC)
+            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, BDS + cols, PREC, VPREC)
             acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
-            acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, VPREC, PV_F32)
+            acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, VPREC)
 
     ok = active & (l_i > 0)
     l_safe = tl.where(ok, l_i, 1.0)
@@ -350,8 +329,6 @@ def _fwd_kernel(
     o_off = b * so_b + t.to(tl.int64) * so_t + hq * DV
     tl.store(O + o_off[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=tv[:, None])
     tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
-    if STORE_F32:  # the unrounded output, for an exact delta = rowsum(dO * O) in the backward
-        tl.store(O32 + o_off[:, None] + offs_dv[None, :], out, mask=tv[:, None])
 
 
 def dot_precision(dtype):
@@ -432,13 +409,17 @@ CONFIG = {
     "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
     "slot_precision": "tf32x3",  # its fp32 slot-state products (see slot_precision)
     "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
-    "fwd_split": True,  # its slot part: row decays by a cumsum, D in 64-column passes (False: v3, spills more)
-    "slot_backward": "triton_v5",  # "triton": slot_bwd_tl; "torch": the PyTorch reference in slot_bwd;
-    # "triton_v5": slot_bwd_tl's v5 kernels (no atomics, merged key kernels, 2xTF32 where one operand is bf16)
-    "slot_bwd_precision": "tf32x3",  # fp32 products of the Triton slot backward (bf16/fp16 inputs)
-    "exact_delta": True,  # backward: delta = sum P * dP computed there (no fp32 output copy in the forward)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
-    # o when delta is exact, only the logits must match the backward's)
+    # o, since the backward recomputes delta exactly: only the logits must match the backward's)
+    "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
+    # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
+    "slot_bwd_precision": "tf32x3",  # fp32 x fp32 products of the slot backward (bf16/fp16 inputs)
+    "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 8)
+    "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
+    # despite more register spills)
+    "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
+    "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
+    # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
@@ -447,16 +428,6 @@ CONFIG = {
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
     # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
-    "training_pv_fp32": False,  # True: fp32 probabilities in the P.V products of a training forward, so
-    # delta = rowsum(dO * O) in the backward carries less rounding (only without exact_delta)
-    "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program,
-    # as v4: at M=128 a [64 x 128] fp32 accumulator and [16 x 128] tiles, the v4 H200 illegal access)
-    "slot_bwd_v5_block": None,  # tokens per row block of the v5 slot backward (None: slot_bwd_tl.BQ = 8)
-    "slot_bwd_v5_warps": 4,  # warps of the v5 slot backward kernels (None: 8; 4 was 4.0 ms faster at 32K on
-    # the H200 despite more spills)
-    "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
-    # in the factored matrix product; harder blocks walk them with direct weights (0: always direct, as v4/v5)
-    "slot_bwd_v5_merge_keys": True,  # v5: dk and dv in one key kernel (False: one launch each, fewer registers)
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -464,27 +435,16 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "values_tf32": dict(value_precision="tf32"),
     "fwd_tf32": dict(slot_precision="tf32"),
     "bwd_tf32": dict(slot_bwd_precision="tf32"),
-    "rowsum_delta": dict(exact_delta=False),
-    "rowsum_delta_pv_fp32": dict(exact_delta=False, training_pv_fp32=True),
-    "torch_slot_bwd": dict(slot_backward="torch"),
-    "fwd_v3": dict(fwd_split=False),
-    "fwd_v3_tf32": dict(fwd_split=False, slot_precision="tf32"),
     "fwd_block8": dict(fwd_block=8),
     "fwd_warps4": dict(num_warps_64=4),
+    "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "window_dkv_8warps": dict(window_dkv_warps=8),
-    "fwd_block8_values_tf32": dict(fwd_block=8, value_precision="tf32"),
-    "fwd_block8_tf32": dict(fwd_block=8, slot_precision="tf32"),
-    "keys_da_all_slots": dict(keys_da_slots=None),
-    "slot_bwd_v4": dict(slot_backward="triton", slot_bwd_v5_warps=None),
-    "slot_bwd_v5": dict(slot_backward="triton_v5", slot_bwd_v5_warps=None),
-    "direct_blocks": dict(block_factor_limit=0.0),
-    "slot_bwd_v5_block16": dict(slot_backward="triton_v5", slot_bwd_v5_block=16),
-    "slot_bwd_v5_warps4": dict(slot_backward="triton_v5", slot_bwd_v5_warps=4),
-    "slot_bwd_v5_split_keys": dict(slot_backward="triton_v5", slot_bwd_v5_merge_keys=False),
-    "slot_bwd_v5_save_states": dict(slot_backward="triton_v5", save_states=True),
+    "slot_bwd_8warps": dict(slot_bwd_warps=8),
+    "slot_bwd_block16": dict(slot_bwd_block=16),
+    "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
 }
 
 
@@ -493,10 +453,9 @@ def fwd_warps(rows, dim):
     return 4 if rows * dim < 32 * 128 else CONFIG["num_warps_64"] if rows <= 64 else CONFIG["num_warps_128"]
 
 
-def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, want_f32=False):
-    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), the slot states and chunk decays
-    (Sk, Sv, dec) (or None) and, with
-    `want_f32`, the output in fp32 (else None)."""
+def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None):
+    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log) and the slot states and chunk decays
+    (Sk, Sv, dec) (or None)."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
@@ -509,7 +468,6 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
-    o32 = alloc(B, T, HQ, DV, dtype=torch.float32, device=dev) if want_f32 and p.q.dtype != torch.float32 else None
     cq = CONFIG["fwd_block"]
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
@@ -517,18 +475,15 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     warps = fwd_warps(BR, max(D, DV))
     _fwd_kernel[grid](
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, o, lse, o if o32 is None else o32,
+        p.bias, sk, sv, o, lse,
         p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
         p.v.stride(0), p.v.stride(1), p.v.stride(2),
         p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
-        HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, CLAMP=EXP_CLAMP, STORE_F32=o32 is not None,
-        SPREC=slot_precision(p.prec), PV_F32=o32 is not None and CONFIG.get("training_pv_fp32", False),
-        SPLIT=CONFIG["fwd_split"], BDS=min(64, D), VPREC=value_precision(p.prec), LIMIT=CONFIG["block_factor_limit"],
+        HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.prec),
+        VPREC=value_precision(p.prec), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     launched("fused forward")
-    if want_f32 and o32 is None:
-        o32 = o
-    return o, lse, ((sk, sv, dec) if has_slots else None), o32
+    return o, lse, ((sk, sv, dec) if has_slots else None)

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import chunk_fwd as cf
-from . import decode, slot_bwd, slot_bwd_tl, window_bwd
+from . import decode, slot_bwd, window_bwd
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
@@ -55,45 +55,33 @@ def cases(HQ, H, D, M):
     """(name, jit function, constexprs, num_warps, num_stages) as the wrappers launch them (bf16 inputs);
     the fused forward in each CONFIG variant (block, split, slot/value precision)."""
     G = HQ // H
-    cs, bq = cf.CS, slot_bwd_tl.BQ
+    cs = cf.CS
     pow2 = triton.next_power_of_2
     out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
-    for cq, split, sprec, vprec in [(16, False, "tf32x3", "tf32x3"), (16, False, "tf32", "tf32"),
-                                    (16, True, "tf32x3", "tf32x3"), (16, True, "tf32x3", "tf32"),
-                                    (16, True, "tf32", "tf32"), (8, True, "tf32x3", "tf32x3"),
-                                    (8, True, "tf32x3", "tf32"), (8, True, "tf32", "tf32")]:
+    for cq, sprec, vprec in [(16, "tf32x3", "tf32x3"), (16, "tf32x3", "tf32"), (16, "tf32", "tf32"),
+                             (8, "tf32x3", "tf32x3"), (8, "tf32x3", "tf32"), (8, "tf32", "tf32")]:
         br = max(16, pow2(cq * G))
         warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
-                      HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", CLAMP=cf.EXP_CLAMP, STORE_F32=True, SPREC=sprec,
-                      PV_F32=False, SPLIT=split, BDS=min(64, D), VPREC=vprec,
+                      HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
                       LIMIT=cf.CONFIG["block_factor_limit"])
-        out.append((f"fwd block={cq} split={split} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
+        out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
     br = max(16, pow2(cf.CQ * G))
     wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cf.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
     wwarps = 4 if br <= 64 else 8
     out += [("window dq", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
             ("window delta", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
-            ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
-    br = max(16, pow2(bq * G))
-    sconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=bq, CSZ=cs, BR=br, BD=min(64, D), PREC="tf32",
-                   SPREC="tf32x3", LIMIT=cf.CONFIG["block_factor_limit"])
-    gconsts = {k: v for k, v in sconsts.items() if k not in ("D", "DV", "PREC")}
-    out += [("slot bwd rows", slot_bwd_tl._rows_kernel,
-             dict(sconsts, BT=sconsts["BR"], EXACT_DELTA=True, V5=False), 8, 1),
-            ("slot bwd keys_grad", slot_bwd_tl._keys_grad_kernel, dict(gconsts, DX=D), 8, 1),
-            ("slot bwd keys_da", slot_bwd_tl._keys_da_kernel,
-             dict(sconsts, BM=min(M, cf.CONFIG["keys_da_slots"] or M), SPLIT=False), 8, 1),
+            ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2),
             ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
                                                    PREC="tf32"), 4, 2)]
-    return out + v5_cases(HQ, H, D, M)
+    return out + slot_bwd_cases(HQ, H, D, M)
 
 
-def v5_cases(HQ, H, D, M, launches=((8, 8), (16, 8), (8, 4))):
-    """The v5 slot backward (`slot_bwd_tl`, CONFIG["slot_backward"] = "triton_v5") per (row-block tokens, warps)."""
+def slot_bwd_cases(HQ, H, D, M, launches=((8, 4), (8, 8), (16, 4))):
+    """The slot backward kernels per (row-block tokens, warps); the first is the default launch."""
     G = HQ // H
     pow2 = triton.next_power_of_2
     out = []
@@ -101,24 +89,22 @@ def v5_cases(HQ, H, D, M, launches=((8, 8), (16, 8), (8, 4))):
         common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(64, D),
                       SPREC="tf32x3", LIMIT=cf.CONFIG["block_factor_limit"])
         tag = f"block={bq}"
-        out += [(f"slot bwd v5 rows {tag}", slot_bwd_tl._rows_kernel,
-                 dict(common, CK=None, CV=None, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", EXACT_DELTA=True,
-                      V5=True), warps, 1),
-                (f"slot bwd v5 state_grad {tag}", slot_bwd_tl._state_grad_v5_kernel, dict(common, DX=D), warps, 1),
-                (f"slot bwd v5 keys (dk+dv) {tag}", slot_bwd_tl._keys_v5_kernel,
+        out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
+                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
+                (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
+                (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
-                (f"slot bwd v5 keys (dk only) {tag}", slot_bwd_tl._keys_v5_kernel,
+                (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
-                (f"slot bwd v5 keys_da {tag}", slot_bwd_tl._keys_da_kernel,
-                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M), SPLIT=True),
-                 warps, 1)]
+                (f"slot bwd keys_da {tag}", slot_bwd._keys_da_kernel,
+                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
     return out
 
 
 def main():
     shapes = [(32, 8, 128, 64), (9, 3, 64, 64)]
     quick = "--quick" in sys.argv
-    slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels (v4 and v5)
+    slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels
     for HQ, H, D, M in shapes[:1] if quick else shapes:
         print(f"# HQ={HQ} H={H} D={D} M={M}, bf16, sm_90a")
         for name, fn, consts, warps, stages in cases(HQ, H, D, M):

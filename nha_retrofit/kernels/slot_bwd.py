@@ -1,4 +1,4 @@
-"""Backward of the slot half of NHA, chunked (CS tokens per chunk), fed the joint log-sum-exp L and delta.
+"""Triton backward of the slot half of NHA, fed the joint log-sum-exp L and delta.
 
 Stream index u = query position; the slot stream holds token u - W at position u (the shift), and query u
 reads the slot state after stream positions 0..u (inclusive gated-slot read). With A the cumulative (masked)
@@ -9,17 +9,41 @@ log gate of the stream, s = 1 - alpha the write weight, l the slot logits, P = e
     dk_j = sum_i s_j[i] dK~_j[i],   dK~_j = sum_{u >= j} exp(A_u - A_j) dSk_u   (likewise dv),
     d/dA_n = <dSk_n, Sk_n> + <dSv_n, Sv_n> - s_n (<dK~_n, k_n> + <dV~_n, v_n>),
     dlog_alpha_j = sum_{n >= j} d/dA_n - alpha_j (<dK~_j, k_j> + <dV~_j, v_j>)   (real tokens only).
-Inside a chunk everything is batched matrix products over [B, H, chunks]; between chunks, the chunk states
-come from the forward scan kernel and the state gradients from `_rev_scan_kernel` (one sequential pass).
-Intra-chunk decays are factored around the chunk's middle, so each factor spans at most half a chunk.
+
+Every operand of a D-sized product is taken in column passes of BD = 64, so no [64 x 128] fp32 tile is live.
+
+- `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
+  the slot logits and dP = dO . Sv_u, completes the exact delta = sum P * dP (the window share comes from
+  `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient per
+  row, E[u] = sum_g (dl * l + P * dP) (summed over a token's G heads by a 0/1 selection product) and the row
+  weights Wk = scale dl, Wv = P. No atomics.
+- `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns): the chunk's contribution to the
+  gradient w.r.t. the state before it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
+- `_rev_scan_kernel`: state gradients after each chunk (a sequential pass over the chunks).
+- `_keys_kernel`, per (chunk, kv head, BD columns): dk and dv = to_end R + sum over the chunk's query blocks of
+  (slot-weighted W, causal)^T Y, both in one pass.
+- `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term;
+  a suffix sum in PyTorch finishes dlog_alpha.
+Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
+before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
+block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
+exp(a_u - a_j) s_j (loops of BQ rank-1 updates, as the forward), so no decay overflows. The row weights Wk, Wv
+are stored without decay factors.
+fp32 x fp32 products use CONFIG["slot_bwd_precision"] (3xTF32 by default: plain TF32 broke the log_alpha
+gradient, NOTES.md v2); a product with one bf16/fp16 operand takes two TF32 MMAs on a hi/lo split of the fp32
+one (`_dot_xa`, `_dot_xb`): 3xTF32's accuracy, since its third MMA would multiply the exact operand's zero low
+part. Products of two bf16/fp16 operands are exact in fp32 accumulation.
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .chunk_fwd import CS, EXP_CLAMP, alloc, launched, scan_tile, slot_states
+from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc,
+                        launched, scan_tile, slot_states)
+
+BD = 64  # columns per pass over D
+BQ = 8  # query tokens per row block (CONFIG["slot_bwd_block"] overrides)
 
 
 @triton.jit
@@ -46,12 +70,6 @@ def reverse_scan(cont, dec):
     """cont [B, H, n, M, X], dec [B, H, n, M] -> R [B, H, n, M, X] (see the kernel)."""
     B, H, n, M, X = cont.shape
     cont, dec = cont.contiguous(), dec.contiguous()
-    if not cont.is_cuda and not _interpreting():
-        out, acc = torch.empty_like(cont), torch.zeros_like(cont[:, :, 0])
-        for c in range(n - 1, -1, -1):
-            out[:, :, c] = acc
-            acc = dec[:, :, c, :, None] * acc + cont[:, :, c]
-        return out
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
     BM, BD = scan_tile(M, X, M)
     _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), B * H)](cont, dec, out, n, M=M, DX=X, BM=BM, BD=BD,
@@ -66,110 +84,485 @@ def suffix_sum(x, dim):
     return x.movedim(dim, -1).flip(-1).contiguous().cumsum(-1).flip(-1).movedim(-1, dim)
 
 
-def _interpreting():
-    import os
+@triton.jit
+def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
+                 M: tl.constexpr, CSZ: tl.constexpr):
+    """Masked gates of the stream chunk starting at cs0 (positions u < limit_u), their cumsum, validity."""
+    offs_u = tl.arange(0, CSZ)
+    u = cs0 + offs_u
+    j = u - W
+    jv = (j >= 0) & (j < T - W) & (u < limit_u)
+    jreal = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
+    jr = jv & jreal
+    offs_m = tl.arange(0, M)
+    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
+                mask=jr[:, None], other=0.0).to(tl.float32)
+    return g, tl.cumsum(g, axis=0), j, jr
 
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+@triton.jit
+def _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr,
+                BD: tl.constexpr):
+    """A keys-side program (axes: stream chunk c, batch x kv head, BD columns): its gates g, their cumsum a,
+    positions j, write weights s of its valid tokens, and to_end = s exp(a_end - a) (the decay to its end)."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    d0 = tl.program_id(2) * BD
+    b = pid_bh // H
+    h = pid_bh % H
+    cs0 = c * CSZ
+    offs_c = d0 + tl.arange(0, BD)
+    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
+    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
+    to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
+    return c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end
 
 
-def slot_backward(p, do, lse, delta, scale, filled0=None):
+@triton.jit
+def _row_lanes(h, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
+    """The BR rows of a CQB-token query block: token r // GQ, query head hq, whether the row exists."""
+    r = tl.arange(0, BR)
+    return r, r // GQ, h * GQ + r % GQ, r < CQB * GQ
+
+
+@triton.jit
+def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W,
+               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
+               LIMIT: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """Query block at chunk offset off: tokens t, valid rows tv, the causal mask [rows, CS], the gates before
+    it (a_ref), the factored weights kw (`_block_split`: the chunk's tokens before the block, and inside it
+    unless `direct`), the rows' [rows, M] weights from WA (if A) and WB (if B; zeros where not loaded), their
+    decays a_in from the block start, and `direct` (the block's tokens need direct weights)."""
+    offs_u = tl.arange(0, CSZ)
+    t = cs0 + off + tok
+    tv = rok & (t < T)
+    causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
+    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    kw = tl.where(factored[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
+    w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + tl.arange(0, M)[None, :]
+    wa = tl.zeros(w_off.shape, dtype=tl.float32)
+    wb = tl.zeros(w_off.shape, dtype=tl.float32)
+    if A:
+        wa = tl.load(WA + w_off, mask=tv[:, None], other=0.0)
+    if B:
+        wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+    return t, tv, causal, a_ref, kw, wa, wb, a_in, direct
+
+
+@triton.jit
+def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, direct, T, W,
+                   M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr,
+                   A: tl.constexpr, B: tl.constexpr):
+    """[rows, CS] slot-weighted row weights (wa kw^T causal for the factored tokens; with `direct`, direct ones
+    for the block's own tokens, walked once for both) for wa (if A) and wb (if B)."""
+    offs_u = tl.arange(0, CSZ)
+    e_in = tl.exp(a_in)
+    ba = tl.zeros(causal.shape, dtype=tl.float32)
+    bb = tl.zeros(causal.shape, dtype=tl.float32)
+    if A:
+        ba = tl.where(causal, tl.dot(wa * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    if B:
+        bb = tl.where(causal, tl.dot(wb * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    if direct:
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            col = offs_u[None, :] == off + jj
+            if A:
+                ba = tl.where(col, tl.sum(wa * e_j * s_j[None, :], 1)[:, None], ba)
+            if B:
+                bb = tl.where(col, tl.sum(wb * e_j * s_j[None, :], 1)[:, None], bb)
+    return ba, bb
+
+
+@triton.jit
+def _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX: tl.constexpr, offs_c):
+    """Y[b, t, hq, offs_c] of the block's rows (0 where a row is out)."""
+    return tl.load(Y + (b * sy_b + t.to(tl.int64) * sy_t + hq * DX)[:, None] + offs_c[None, :], mask=tv[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
+    """OUT[b, j, h, offs_c] = acc for the chunk's positions j in the stream."""
+    jv = (j >= 0) & (j < T - W)
+    tl.store(OUT + (b * so_b + j.to(tl.int64) * so_t + h * so_h)[:, None] + offs_c[None, :], acc, mask=jv[:, None])
+
+
+@triton.jit
+def _tf32_hi(x):
+    """x with the 13 low mantissa bits cleared (exact in TF32); x - _tf32_hi(x) is exact in fp32."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_xb(a, b, SPREC: tl.constexpr):
+    """a . b for fp32 a and an fp32 b whose values are exact in TF32 (bf16/fp16 upcasts, 0/1)."""
+    if SPREC == "tf32x3":
+        hi = _tf32_hi(a)
+        return tl.dot(hi, b, tl.dot(a - hi, b, input_precision="tf32"), input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=SPREC)
+
+
+@triton.jit
+def _dot_xa(a, b, SPREC: tl.constexpr):
+    """a . b for an fp32 a whose values are exact in TF32 and fp32 b."""
+    if SPREC == "tf32x3":
+        hi = _tf32_hi(b)
+        return tl.dot(a, hi, tl.dot(a, b - hi, input_precision="tf32"), input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=SPREC)
+
+
+@triton.jit
+def _rows_kernel(
+    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
+    DQ, DB, E, WK, WV,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    T, W, NCH, L, scale,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
+):
+    """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
+    added in place; BT: a power of two >= CQB, the tokens of the E product."""
+    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
+    offs_c = tl.arange(0, BD)
+    offs_m = tl.arange(0, M)
+    q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
+    first = tl.load(FIRST + b)
+    readable = tv & q_real & (t - W >= first)
+    row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
+    orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
+    lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
+
+    c = t0 // CSZ
+    cs0 = c * CSZ
+    off = t0 - cs0
+    offs_u = tl.arange(0, CSZ)
+    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
+    causal = offs_u[None, :] <= (off + tok)[:, None]
+    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+    e_in = tl.exp(a_in)
+    e_car = tl.exp(a_in + a_ref[None, :])
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
+    st = pid_bh.to(tl.int64) * (NCH + 1) + c
+
+    # logits and dP, summed over column passes
+    qk = tl.zeros([BR, CSZ], dtype=tl.float32)
+    xc = tl.zeros([BR, M], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
+        xc += _dot_xa(qd.to(tl.float32), tl.trans(skd), SPREC)
+    ov = tl.zeros([BR, CSZ], dtype=tl.float32)
+    xv = tl.zeros([BR, M], dtype=tl.float32)
+    for d0 in range(0, DV, BD):
+        dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        svd = tl.load(SV + st * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
+        ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
+        xv += _dot_xa(dod.to(tl.float32), tl.trans(svd), SPREC)
+    x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
+    x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
+    if direct:  # the block's own tokens: direct weights, as the forward
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            sel = offs_u[None, :] == off + jj
+            x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
+            x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
+    lraw = (x_in + xc * e_car) * scale
+    bias = tl.load(BIAS + hq, mask=tv, other=0.0)
+    p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
+    dp = x_ov + xv * e_car
+    delta += tl.sum(p * dp, 1)  # the window share plus the slot share, kept for the window backward
+    tl.store(DELTA + lrow, delta, mask=tv)
+    dl = p * (dp - delta[:, None])
+    wk = dl * scale
+
+    tl.store(DB + lrow, tl.sum(dl, 1), mask=tv)  # slot_bias gradient per row, summed in PyTorch
+    # E per stream position: the sum over a token's G rows, as a 0/1 selection product
+    it = tl.arange(0, BT)
+    pick = ((tok[None, :] == it[:, None]) & tv[None, :]).to(tl.float32)  # [BT, BR]
+    etok = _dot_xa(pick, tl.where(tv[:, None], dl * lraw + p * dp, 0.0), SPREC)  # [BT, M]
+    te = t0 + it
+    e_off = (pid_bh.to(tl.int64) * L + te) * M
+    tl.store(E + e_off[:, None] + offs_m[None, :], etok, mask=((it < CQB) & (te < T))[:, None])
+    # the row weights of the key passes
+    tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
+    tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
+
+    # dq (slot part)
+    bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    if direct:
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M)
+            bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
+    wc = wk * e_car
+    for d0 in range(0, D, BD):
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        dq = tl.dot(wc, skd, input_precision=SPREC) + _dot_xb(bk, kd.to(tl.float32), SPREC)
+        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
+
+
+@triton.jit
+def _keys_da_kernel(
+    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    T, W, NCH, L,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+    SPREC: tl.constexpr, BM: tl.constexpr, LIMIT: tl.constexpr,
+):
+    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, for the
+    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent)."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    m0 = tl.program_id(2) * BM
+    b = pid_bh // H
+    h = pid_bh % H
+    cs0 = c * CSZ
+    offs_u = tl.arange(0, CSZ)
+    offs_c = tl.arange(0, BD)
+    offs_m = m0 + tl.arange(0, BM)  # absolute slot indices (M, all slots, is the row stride of E, DA, WK...)
+    GB = G + m0  # the gate helpers read BM slots from here
+    g, a, j, jr = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
+    cidx = pid_bh.to(tl.int64) * NCH + c
+    uv = tl.zeros([CSZ, BM], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        rkd = tl.load(RK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        uv += _dot_xa(kd.to(tl.float32), tl.trans(rkd), SPREC)
+    for d0 in range(0, DV, BD):
+        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
+        uv += _dot_xa(vd.to(tl.float32), tl.trans(rvd), SPREC)
+    uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
+    r = tl.arange(0, BR)
+    tok = r // GQ
+    hq = h * GQ + r % GQ
+    rok = r < CQB * GQ
+    for blk in range(CSZ // CQB):
+        off = blk * CQB
+        t = cs0 + off + tok
+        tv = rok & (t < T)
+        causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
+        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
+        orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
+        qk = tl.zeros([BR, CSZ], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
+        ov = tl.zeros([BR, CSZ], dtype=tl.float32)
+        for d0 in range(0, DV, BD):
+            dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+            vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+            ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
+        w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
+        wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
+        wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
+        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM)
+        e_in = tl.exp(a_in)
+        intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, input_precision=SPREC)
+                 + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, input_precision=SPREC))
+        uv += intra * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
+        if direct:  # the block's own tokens
+            cum = tl.zeros([BM], dtype=tl.float32)
+            for jj in range(CQB):
+                e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
+                                                   a_in, tok >= jj, BM)
+                sel = offs_u[None, :] == off + jj
+                row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
+                                + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
+                uv += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
+    u = cs0 + offs_u
+    e_off = (pid_bh.to(tl.int64) * L + u) * M
+    e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
+    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
+    tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
+    tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
+
+
+def slot_bwd_precision(prec):
+    """Precision of the fp32 products of the slot backward: IEEE for fp32 inputs, else
+    CONFIG["slot_bwd_precision"] (3xTF32 by default)."""
+    return "ieee" if prec == "ieee" else CONFIG.get("slot_bwd_precision", "tf32x3")
+
+
+def _recomputed_states(p):
+    """(Sk, Sv, per-chunk decay) before each chunk, when the forward did not keep them."""
+    sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec, return_decay=True)
+    return sk, slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec), dec
+
+
+def _strides(p, do):
+    """The gate strides and the (q, k, v, gates, dO) strides that the rows and keys_da kernels take."""
+    sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
+    return sg, (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
+                p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
+
+
+def _log_alpha_grad(p, dA, xa):
+    """d log_alpha [B, T, H, M] from the keys_da outputs [B, H, L, M] over stream positions u = j + W: the
+    suffix sum of dA plus xa, shifted back by the window; padding rows get none."""
+    T, W = p.T, p.W
+    dga = suffix_sum(dA, 2) + xa
+    dla = torch.zeros(p.B, T, p.H, p.M, dtype=torch.float32, device=dA.device)
+    if T > W:
+        dla[:, : T - W] = dga[:, :, W:T].permute(0, 2, 1, 3)
+    return dla * p.mask.bool()[:, :, None, None]
+
+
+@triton.jit
+def _state_grad_kernel(
+    Y, WST, G, MASK, C_OUT,
+    sy_b, sy_t, sg_b, sg_t, sg_h,
+    T, W, NCH,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+    LIMIT: tl.constexpr,
+):
+    """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
+    log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
+    (q, Wk), CV with (dO, Wv))."""
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    offs_m = tl.arange(0, M)
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
+    acc = tl.zeros([M, BD], dtype=tl.float32)
+    for blk in range(CSZ // CQB):
+        t, tv, causal, a_ref, kw, wst, wb, a_in, _ = _row_block(
+            G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
+            CSZ, LIMIT, True, False)
+        y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
+        acc = acc + _dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
+    tl.store(C_OUT + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
+
+
+@triton.jit
+def _keys_kernel(
+    Q, DO, WK, WV, RK, RV, G, MASK, DK, DV_,
+    sq_b, sq_t, so_b, so_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h,
+    T, W, NCH,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+    DO_K: tl.constexpr, DO_V: tl.constexpr, LIMIT: tl.constexpr,
+):
+    """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
+    dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
+    dk and (dO, Wv, Rv) for dv (both in one pass over the row blocks when DO_K and DO_V)."""
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    offs_m = tl.arange(0, M)
+    cidx = pid_bh.to(tl.int64) * NCH + c
+    acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
+    acc_v = tl.zeros([CSZ, BD], dtype=tl.float32)
+    if DO_K:
+        acc_k = tl.dot(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]),
+                       input_precision=SPREC)
+    if DO_V:
+        acc_v = tl.dot(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]),
+                       input_precision=SPREC)
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
+    for blk in range(CSZ // CQB):
+        off = blk * CQB
+        t, tv, causal, a_ref, kw, wk, wv, a_in, direct = _row_block(
+            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
+            LIMIT, DO_K, DO_V)
+        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
+                                T, W, M, CQB, CSZ, SPREC, DO_K, DO_V)
+        if DO_K:
+            acc_k += _dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
+        if DO_V:
+            acc_v += _dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
+    if DO_K:
+        _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
+    if DO_V:
+        _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
+
+
+def launch_shape():
+    """(row-block tokens, warps) of the slot backward: CONFIG["slot_bwd_block"], CONFIG["slot_bwd_warps"]."""
+    return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
+
+
+def slot_backward_triton(p, do, lse, delta, scale, states=None):
     """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias), fp32.
 
-    Full fp32 products: with TF32 the log_alpha gradient (a reverse cumulative sum over the whole sequence)
-    reached 9e-3 relative error at T=4097 against 2e-3 in fp32 (H200 run 2)."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        return _slot_backward(p, do, lse, delta, scale, filled0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def _slot_backward(p, do, lse, delta, scale, filled0=None):
+    `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is completed in place with the
+    slot share, for the window backward that follows. `states`: the forward's (Sk, Sv, dec), else recomputed."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
-    n, C = p.nch, CS
-    L = n * C
+    n = p.nch
+    L = n * CS
     dev = do.device
     f32 = torch.float32
-    sk_all = slot_states(p.k, p.log_alpha, p.mask, W, n, p.prec)
-    sv_all = slot_states(p.v, p.log_alpha, p.mask, W, n, p.prec)
-    Sk, Sv = sk_all[:, :, :n], sv_all[:, :, :n]  # [B, H, n, M, X]
-
-    def rows(x):  # [B, T, HQ, X] -> [B, H, n, C, G, X] fp32
-        x = F.pad(x.to(f32), (0, 0, 0, 0, 0, L - T))
-        return x.view(B, n, C, H, G, -1).permute(0, 3, 1, 2, 4, 5)
-
-    def shifted(x):  # [B, T, H, X] -> stream [B, H, n, C, X]: position u holds token u - W (zeros elsewhere)
-        out = torch.zeros(B, L, H, x.shape[-1], dtype=f32, device=dev)
-        if T > W:
-            out[:, W:T] = x[:, : T - W].to(f32)
-        return out.view(B, n, C, H, -1).permute(0, 3, 1, 2, 4)
-
-    Qs, dO = rows(p.q), rows(do)
-    Lr = F.pad(lse, (0, 0, 0, L - T), value=float("inf")).view(B, n, C, H, G).permute(0, 3, 1, 2, 4)
-    dl_ = F.pad(delta, (0, 0, 0, L - T)).view(B, n, C, H, G).permute(0, 3, 1, 2, 4)
-    Ka, Va = shifted(p.k), shifted(p.v)
-    real_tok = p.mask.bool()
-    real_abs = torch.zeros(B, L, dtype=torch.bool, device=dev)
+    do = do.contiguous()
+    sk, sv, dec = states if states is not None else _recomputed_states(p)
+    bq, warps = launch_shape()
+    assert CS % bq == 0, "slot_bwd_block must divide the chunk"
+    BR = max(16, triton.next_power_of_2(bq * G))
+    BT = max(16, triton.next_power_of_2(bq))
+    bd_ = min(BD, D, DV)
+    sprec = slot_bwd_precision(p.prec)
+    dq = alloc(B, T, HQ, D, dtype=f32, device=dev)
+    dbr = alloc(B, T, HQ, dtype=f32, device=dev)
+    E = alloc(B, H, L, M, dtype=f32, device=dev)
+    wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
+    wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
+    sg, strides = _strides(p, do)
+    common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
+                  LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=1)
+    _rows_kernel[(triton.cdiv(T, bq), B * H)](
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
+        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV, BT=BT, PREC=p.prec, **common,
+    )
+    launched("slot bwd rows")
+    ck = alloc(B, H, n, M, D, dtype=f32, device=dev)
+    cv = alloc(B, H, n, M, DV, dtype=f32, device=dev)
+    for y, wst, out, dx in ((p.q, wk, ck, D), (do, wv, cv, DV)):
+        _state_grad_kernel[(n, B * H, dx // bd_)](
+            y, wst, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), *sg, T, W, n, DX=dx, **common,
+        )
+        launched("slot bwd state_grad")
+    rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
+    dk = alloc(B, T, H, D, dtype=f32, device=dev)
+    dv = alloc(B, T, H, DV, dtype=f32, device=dev)
     if T > W:
-        real_abs[:, W:T] = real_tok[:, : T - W]
-    ra = real_abs.view(B, n, C)[:, None, :, :, None]  # [B, 1, n, C, 1]
-    ga = shifted(p.log_alpha) * ra
-    alpha = ga.exp()
-    sa = (1 - alpha) * ra
-    a = ga.cumsum(3)
-    a_last = a[:, :, :, -1:]  # [B, H, n, 1, M]
-    ar = a - a[:, :, :, C // 2 - 1 : C // 2]
-    e_car = a.exp()  # [B, H, n, C, M] <= 1
-    e_row = ar.exp()
-    kw = sa * (-ar).clamp(max=EXP_CLAMP).exp()
-    to_end = sa * (a_last - a).exp()
+        kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
+                dv.stride(0), dv.stride(1), dv.stride(2), *sg)
+        merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
+        sides = [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]
+        for do_k, do_v, dx in sides:
+            _keys_kernel[(n, B * H, dx // bd_)](
+                p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *kstr, T, W, n,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **common,
+            )
+            launched("slot bwd keys")
+    # rows of tokens j >= T - W are read by no query: zero (the keys kernel stores j < T - W only)
+    dk[:, max(T - W, 0):] = 0
+    dv[:, max(T - W, 0):] = 0
+    dA = alloc(B, H, L, M, dtype=f32, device=dev)
+    xa = alloc(B, H, L, M, dtype=f32, device=dev)
+    bm = min(M, CONFIG.get("keys_da_slots") or M)
+    _keys_da_kernel[(n, B * H, M // bm)](
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
+        D=D, DV=DV, PREC=p.prec, BM=bm, **common,
+    )
+    launched("slot bwd keys_da")
+    return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
 
-    u = torch.arange(L, device=dev)
-    first = p.first.long()[:, None]
-    fill0 = torch.zeros(B, 1, dtype=torch.bool, device=dev) if filled0 is None else filled0.bool()[:, None]
-    q_real = F.pad(real_tok, (0, L - T))
-    readable = q_real & (u[None] < T) & (fill0 | (u[None] - W >= first))
-    readable = readable.view(B, n, C)[:, None, :, :, None, None]  # [B, 1, n, C, 1, 1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=dev).tril()[:, None, :]  # [C(u), 1(g), C(j)]
-
-    ein = torch.einsum
-    QK = ein("bhncgd,bhnjd->bhncgj", Qs, Ka) * causal
-    lraw = (ein("bhncgj,bhnjm->bhncgm", QK, kw) * e_row[:, :, :, :, None]
-            + ein("bhncgd,bhnmd->bhncgm", Qs, Sk) * e_car[:, :, :, :, None]) * scale
-    bias = p.bias.view(H, 1, 1, G, 1)
-    P = torch.where(readable, (lraw + bias - Lr[..., None]).exp(), torch.zeros((), device=dev))
-    OV = ein("bhncgd,bhnjd->bhncgj", dO, Va) * causal
-    dP = (ein("bhncgj,bhnjm->bhncgm", OV, kw) * e_row[:, :, :, :, None]
-          + ein("bhncgd,bhnmd->bhncgm", dO, Sv) * e_car[:, :, :, :, None])
-    dl = P * (dP - dl_[..., None])
-    dbias = dl.sum((0, 2, 3, 5)).reshape(HQ)
-    E = (dl * lraw + P * dP).sum(4)  # [B, H, n, C, M]
-    wk = dl * scale
-    # intra-chunk token weights: Bk[u, g, j] = sum_i wk[u,g,i] exp(A_u - A_j)[i] s_j[i]
-    Bk = ein("bhncgm,bhnjm->bhncgj", wk * e_row[:, :, :, :, None], kw) * causal
-    Bv = ein("bhncgm,bhnjm->bhncgj", P * e_row[:, :, :, :, None], kw) * causal
-    dq = ein("bhncgm,bhnmd->bhncgd", wk * e_car[:, :, :, :, None], Sk) + ein("bhncgj,bhnjd->bhncgd", Bk, Ka)
-    # gradients w.r.t. the state after each chunk (from every later read)
-    dec = a_last[:, :, :, 0].exp()
-    Rk = reverse_scan(ein("bhncgm,bhncgd->bhnmd", wk * e_car[:, :, :, :, None], Qs), dec)
-    Rv = reverse_scan(ein("bhncgm,bhncgd->bhnmd", P * e_car[:, :, :, :, None], dO), dec)
-    dk = ein("bhnjm,bhnmd->bhnjd", to_end, Rk) + ein("bhncgj,bhncgd->bhnjd", Bk, Qs)
-    dv = ein("bhnjm,bhnmd->bhnjd", to_end, Rv) + ein("bhncgj,bhncgd->bhnjd", Bv, dO)
-    e_neg = (-ar).clamp(max=EXP_CLAMP).exp()
-    UV = ((ein("bhnjd,bhnmd->bhnjm", Ka, Rk) + ein("bhnjd,bhnmd->bhnjm", Va, Rv)) * (a_last - a).exp()
-          + (ein("bhncgj,bhncgm->bhnjm", QK, wk * e_row[:, :, :, :, None])
-             + ein("bhncgj,bhncgm->bhnjm", OV, P * e_row[:, :, :, :, None])) * e_neg)
-    dA = (E - sa * UV).permute(0, 1, 2, 3, 4).reshape(B, H, L, M)
-    dga = suffix_sum(dA, 2).reshape(B, H, n, C, M) - alpha * ra * UV
-
-    def unshift(x):  # stream [B, H, n, C, X] -> tokens [B, T, H, X]
-        x = x.permute(0, 2, 3, 1, 4).reshape(B, L, H, -1)
-        out = torch.zeros(B, T, H, x.shape[-1], dtype=f32, device=dev)
-        if T > W:
-            out[:, : T - W] = x[:, W:T]
-        return out
-
-    dq = dq.permute(0, 2, 3, 1, 4, 5).reshape(B, L, HQ, D)[:, :T]
-    dla = unshift(dga) * real_tok[:, :, None, None]
-    return dq, unshift(dk), unshift(dv), dla, dbias

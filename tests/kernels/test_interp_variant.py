@@ -1,6 +1,6 @@
 """CONFIG variants of the kernels under the Triton CPU interpreter against float64 (`interp_variant.py`): fp32
 under the out-of-bounds checker (every tensor <= 1e-5), bf16 with GPU-like numerics at the defaults' error
-level. Covers the v5 slot backward (CONFIG["slot_backward"] = "triton_v5") on odd shapes: T not a multiple of
+level. Covers the slot backward (defaults and its launch variants) on odd shapes: T not a multiple of
 the 64-token chunk, GQA 3:1 and 1:1, D=64 and 128, M=32/64/128, left and right padding, strong decay, real-like
 inputs, windows shifting the slot stream by a whole chunk or a few tokens.
 
@@ -22,13 +22,13 @@ require_interpreter_triton()
 
 # (variant, (T, HQ, H, D, M, window, batch, dtype, decay, inputs, padding side))
 CASES = [
-    ("slot_bwd_v5", (100, 6, 2, 64, 32, 64, 2, "float32", 8.0, "random", "left")),
-    ("slot_bwd_v5", (70, 1, 1, 128, 128, 64, 2, "float32", 1.0, "random", "left")),
-    ("slot_bwd_v5", (90, 3, 1, 64, 64, 5, 1, "bfloat16", 1.0, "real_like", "right")),
-    ("slot_bwd_v5_block16", (90, 4, 2, 64, 32, 3, 2, "float32", 1.0, "random", "left")),
+    ("defaults", (100, 6, 2, 64, 32, 64, 2, "float32", 8.0, "random", "left")),
+    ("defaults", (70, 1, 1, 128, 128, 64, 2, "float32", 1.0, "random", "left")),
+    ("defaults", (90, 3, 1, 64, 64, 5, 1, "bfloat16", 1.0, "real_like", "right")),
+    ("slot_bwd_block16", (90, 4, 2, 64, 32, 3, 2, "float32", 1.0, "random", "left")),
     # decay 2: factored and direct query blocks (CONFIG["block_factor_limit"]) mixed in one run
     ("defaults", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),
-    ("slot_bwd_v5", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
+    ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
 ]
 
 

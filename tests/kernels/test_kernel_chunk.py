@@ -173,9 +173,8 @@ def test_prefill_in_two_parts_with_carried_state(window):
 
 
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
-    "values_tf32", "fwd_tf32", "bwd_tf32", "rowsum_delta", "rowsum_delta_pv_fp32", "torch_slot_bwd", "fwd_block8",
-    "save_states", "slot_bwd_v4", "slot_bwd_v5", "slot_bwd_v5_split_keys", "direct_blocks", "fwd_warps4",
-    "slot_bwd_v5_block16")}
+    "values_tf32", "fwd_tf32", "bwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "save_states",
+    "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -225,19 +224,3 @@ def test_real_like_inputs_match_float64_reference(combo):
     interpreter run of this case with GPU-like numerics, test_interp_real_like.py, and the captured real inputs
     matched float64 to bf16 level, see NOTES.md.)"""
     test_forward_backward_matches_float64_reference(combo, real_like=True)
-
-
-V5_HARD = [(COMBOS[3], 1.0, False), (COMBOS[4], 8.0, False), (REAL_LIKE_COMBOS[1], 1.0, True)]
-
-
-@pytest.mark.parametrize("variant", ["slot_bwd_v5"])
-@pytest.mark.parametrize("combo,decay,real_like", V5_HARD,
-                         ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:])
-                         if isinstance(c, tuple) else str(c))
-def test_config_variants_on_hard_inputs(combo, decay, real_like, variant, monkeypatch):
-    """The v5 slot backward on the inputs that broke earlier versions: M=128 with one query head per kv head (the
-    v4 illegal access), gates that reset the slots (decay=8), real-like statistics (named config_variants so
-    kernel_session.sh runs it with the variants)."""
-    for key, value in chunk_fwd.CONFIG_VARIANTS[variant].items():
-        monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
-    test_forward_backward_matches_float64_reference(combo, decay=decay, real_like=real_like)
