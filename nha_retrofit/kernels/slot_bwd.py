@@ -218,6 +218,23 @@ def _dot_xa(a, b, SPREC: tl.constexpr):
 
 
 @triton.jit
+def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
+                    BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
+    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S before the
+    chunk, over column passes: ([rows, CS], [rows, M]) fp32."""
+    offs_m = tl.arange(0, M)
+    xy = tl.zeros([BR, CSZ], dtype=tl.float32)
+    xs = tl.zeros([BR, M], dtype=tl.float32)
+    for d0 in range(0, DX, BD):
+        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :])
+        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
+        xs += _dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
+    return xy, xs
+
+
+@triton.jit
 def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV,
@@ -254,23 +271,9 @@ def _rows_kernel(
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     st = pid_bh.to(tl.int64) * (NCH + 1) + c
 
-    # logits and dP, summed over column passes
-    qk = tl.zeros([BR, CSZ], dtype=tl.float32)
-    xc = tl.zeros([BR, M], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-        xc += _dot_xa(qd.to(tl.float32), tl.trans(skd), SPREC)
-    ov = tl.zeros([BR, CSZ], dtype=tl.float32)
-    xv = tl.zeros([BR, M], dtype=tl.float32)
-    for d0 in range(0, DV, BD):
-        dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        svd = tl.load(SV + st * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
-        ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
-        xv += _dot_xa(dod.to(tl.float32), tl.trans(svd), SPREC)
+    # logits and dP
+    qk, xc = _chunk_products(Q, row, K, krow, SK, st, tv, jr, offs_c, D, BD, M, BR, CSZ, PREC, SPREC)
+    ov, xv = _chunk_products(DO, orow, V, vrow, SV, st, tv, jr, offs_c, DV, BD, M, BR, CSZ, PREC, SPREC)
     x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
     x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
     if direct:  # the block's own tokens: direct weights, as the forward
