@@ -32,20 +32,18 @@ class _NHAFunction(torch.autograd.Function):
         # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): the window share here, the slot
         # backward adds its share in place
         delta = window_delta(p, do, lse, scale)
-        f32 = torch.float32
-        dq = torch.zeros(p.B, p.T, p.HQ, p.D, dtype=f32, device=do.device)
-        dk = torch.zeros(p.B, p.T, p.H, p.D, dtype=f32, device=do.device)
-        dv = torch.zeros(p.B, p.T, p.H, p.DV, dtype=f32, device=do.device)
-        dla = torch.zeros(p.B, p.T, p.H, p.M, dtype=f32, device=do.device)
-        dbias = torch.zeros(p.HQ, dtype=f32, device=do.device)
-        dqr = torch.zeros_like(dq)
-        dkr = torch.zeros_like(dk)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
         if ctx.has_slots:
             dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.states)
             ctx.states = None
+        else:  # every position sees its whole past through the window
+            dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
+            dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ)
         if p.W > 0:
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
-            dv = dv + dv_w
+            dv += dv_w
+        else:
+            dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731
         return (
             cast(dq, p.q), cast(dk, p.k), cast(dv, p.v), cast(dqr, p.q_rope), cast(dkr, p.k_rope),
