@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for the NHA kernels (H200, ~8 minutes): kernel tests against the float64 reference (defaults
 # and every CONFIG variant), per-stage timings and the CONFIG variants side by side, then the full operator
-# benchmark. Run from the repository root with $OUT an empty folder:
+# benchmark. Run from the repository root with $OUT an empty folder (carry .whl for the fla baselines):
 #     OUT=/some/dir bash benchmarks/kernel_session.sh
 # Every step runs under `timeout` against one overall deadline, so a hang costs one step, not the call.
 set -u
@@ -30,6 +30,12 @@ cat "$OUT/device.txt"
 PT=(-m pytest -p no:cacheprovider -q -rfE -s)
 if $PY -c "import pytest_timeout" 2>/dev/null; then PT+=(--timeout=90); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# fla (the windowed-attention and GSA baselines of ops.py) from wheels carried in .whl (git-ignored; the device
+# machine has no network): fla-core and its one dependency, einops
+if ls .whl/fla_core-*.whl .whl/einops-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/fla-site .whl/fla_core-*.whl .whl/einops-*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/fla-site
+fi
 
 # most important first: a step that runs out of time loses the least
 # a shorter session: BUDGET, the CAP_* step limits, VARIANTS and OPS_LENGTHS from the environment
