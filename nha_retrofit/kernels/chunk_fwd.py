@@ -191,6 +191,39 @@ def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.c
 
 
 @triton.jit
+def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_i, acc,
+                 sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D: tl.constexpr, DV: tl.constexpr, CQB: tl.constexpr,
+                 BN: tl.constexpr, PREC: tl.constexpr):
+    """The sliding-window keys max(0, t-W+1) .. t of the block's rows, merged into the online softmax state
+    (m_i, l_i, acc) flash-style."""
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    qr = tl.load(QR + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
+    lo = tl.maximum(t0 - W + 1, 0)
+    hi = tl.minimum(t0 + CQB, T)
+    offs_n = tl.arange(0, BN)
+    for n0 in range(lo, hi, BN):
+        j = n0 + offs_n
+        jin = j < hi
+        kr = tl.load(KR + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
+                     mask=jin[:, None], other=0.0)
+        kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
+        s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
+                     mask=jin[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
@@ -198,7 +231,7 @@ def _fwd_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr,
+    VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
 ):
     # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
     # at GQ = 3 (checked by ptxas / cuobjdump)
@@ -224,29 +257,9 @@ def _fwd_kernel(
     acc = tl.zeros([BR, DV], dtype=tl.float32)
 
     if HAS_WINDOW:
-        qr = tl.load(QR + row_off[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
-        lo = tl.maximum(t0 - W + 1, 0)
-        hi = tl.minimum(t0 + CQB, T)
-        offs_n = tl.arange(0, BN)
-        for n0 in range(lo, hi, BN):
-            j = n0 + offs_n
-            jin = j < hi
-            kr = tl.load(KR + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
-                         mask=jin[:, None], other=0.0)
-            kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
-            s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
-            valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :]
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
-                         mask=jin[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
-            m_i = m_new
-
+        if not SLOTS_FIRST:
+            m_i, l_i, acc = _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_i, acc,
+                                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D, DV, CQB, BN, PREC)
     if HAS_SLOTS:
         c = t0 // CSZ
         cs0 = c * CSZ
@@ -321,6 +334,11 @@ def _fwd_kernel(
             acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
             acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, VPREC)
+
+    if HAS_WINDOW:
+        if SLOTS_FIRST:  # the window after the slot part: its tiles are not live while the slot part runs
+            m_i, l_i, acc = _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_i, acc,
+                                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D, DV, CQB, BN, PREC)
 
     ok = active & (l_i > 0)
     l_safe = tl.where(ok, l_i, 1.0)
@@ -409,6 +427,7 @@ CONFIG = {
     "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
     "slot_precision": "tf32x3",  # its fp32 slot-state products (see slot_precision)
     "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
+    "fwd_slots_first": False,  # the fused kernel's slot part before its window part (fewer live tiles at once)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o, since the backward recomputes delta exactly: only the logits must match the backward's)
     "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
@@ -437,6 +456,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "bwd_tf32": dict(slot_bwd_precision="tf32"),
     "fwd_block8": dict(fwd_block=8),
     "fwd_warps4": dict(num_warps_64=4),
+    "fwd_slots_first": dict(fwd_slots_first=True),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
@@ -483,6 +503,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.prec),
         VPREC=value_precision(p.prec), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
+        SLOTS_FIRST=CONFIG["fwd_slots_first"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     launched("fused forward")

@@ -66,8 +66,11 @@ def cases(HQ, H, D, M):
         warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
-                      LIMIT=cf.CONFIG["block_factor_limit"])
+                      LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
+        if cq == 16 and sprec == vprec:
+            out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
+                        dict(consts, SLOTS_FIRST=True), warps, 2))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
     br = max(16, pow2(cf.CQ * G))
     wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cf.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
