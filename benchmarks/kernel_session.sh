@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/device.tx
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
-PT=(-m pytest -p no:cacheprovider -q -rfE -s)
+PT=(-m pytest -p no:cacheprovider -q -rfE -s --durations=15)
 if $PY -c "import pytest_timeout" 2>/dev/null; then PT+=(--timeout=90); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # fla (the windowed-attention and GSA baselines of ops.py) from wheels carried in .whl (git-ignored; the device
