@@ -39,7 +39,7 @@ fi
 
 # most important first: a step that runs out of time loses the least
 # a shorter session: BUDGET, the CAP_* step limits, VARIANTS and OPS_LENGTHS from the environment
-DEFAULT_VARIANTS=defaults,fwd_slots_first,values_tf32,fwd_tf32,fwd_block8,fwd_warps4,direct_blocks,save_states,scan_tile_8x32
+DEFAULT_VARIANTS=defaults,fwd_slots_first,bf16x3,bf16x3_slots_first,fwd_bf16x3,bwd_bf16x3,values_tf32,fwd_tf32,fwd_block8,fwd_warps4,direct_blocks,save_states,scan_tile_8x32
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,bwd_tf32,window_dkv_8warps,slot_bwd_8warps,slot_bwd_block16,slot_bwd_split_keys
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" $PY "${PT[@]}" tests/kernels -k "not config_variants"

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .products import dot_f32, product_precision
+
 CQ = 16  # query tokens per program of the fused kernel
 CS = 64  # tokens per slot-state chunk (multiple of CQ)
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
@@ -82,7 +84,7 @@ def _chunk_update_kernel(
     wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
     x = tl.load(X + b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :],
                 mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    upd = tl.dot(tl.trans(wgt), x, input_precision=PREC)  # PREC: tf32x3 or ieee
+    upd = dot_f32(tl.trans(wgt), x, PREC)
     base = pid_bh.to(tl.int64) * (NCH + 1) + c + 1
     tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
     if pid_d == 0:
@@ -185,7 +187,7 @@ def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen
 @triton.jit
 def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr):
     """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
-    acc += tl.dot(pc, tl.load(SVP + cols[None, :]), input_precision=VPREC)
+    acc += dot_f32(pc, tl.load(SVP + cols[None, :]), VPREC)
     vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
     return acc + tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
 
@@ -294,9 +296,9 @@ def _fwd_kernel(
             kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
             skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
             qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-            x_car += tl.dot(qd.to(tl.float32), tl.trans(skd), input_precision=SPREC)
+            x_car += dot_f32(qd.to(tl.float32), tl.trans(skd), SPREC)
         qk = tl.where(causal, qk, 0.0)
-        x_in = tl.dot(qk, kw, input_precision=SPREC) * e_in
+        x_in = dot_f32(qk, kw, SPREC) * e_in
         if direct:
             cum = tl.zeros([M], dtype=tl.float32)
             for jj in range(CQB):
@@ -317,7 +319,7 @@ def _fwd_kernel(
         acc = acc * alpha[:, None]
         m_i = m_new
         pc = p * e_car
-        wm = tl.where(causal, tl.dot(p * e_in, tl.trans(kw), input_precision=VPREC), 0.0)
+        wm = tl.where(causal, dot_f32(p * e_in, tl.trans(kw), VPREC), 0.0)
         if direct:
             cum = tl.zeros([M], dtype=tl.float32)
             for jj in range(CQB):
@@ -353,17 +355,14 @@ def dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def slot_precision(prec):
-    """Precision of the fp32 slot-state products for bf16/fp16 inputs: CONFIG["slot_precision"], 3xTF32 by
-    default (the configuration the H200 tests ran with, run 3); "tf32" is 2.5x faster at 32K (run 2: forward
-    5.0 ms against 12.6 ms) and passed the output tests there, but its gradients were only checked together
-    with a TF32 backward (run 2) or an older forward (run 1). fp32 inputs always use IEEE products."""
-    return "ieee" if prec == "ieee" else CONFIG.get("slot_precision", "tf32x3")
+def slot_precision(dtype):
+    """SPREC (products.py) of the forward's fp32 slot products for `dtype` inputs: CONFIG["slot_precision"]."""
+    return product_precision(CONFIG["slot_precision"], dtype)
 
 
-def value_precision(prec):
-    """Precision of the slot part's P.V products: CONFIG["value_precision"], else as slot_precision."""
-    return "ieee" if prec == "ieee" else CONFIG.get("value_precision") or slot_precision(prec)
+def value_precision(dtype):
+    """SPREC of the slot part's P.V products: CONFIG["value_precision"], else as slot_precision."""
+    return product_precision(CONFIG["value_precision"] or CONFIG["slot_precision"], dtype)
 
 
 class Prepared:
@@ -399,7 +398,7 @@ def scan_tile(M, DX, rows):
     return min(M, bm), min(bd, triton.next_power_of_2(DX))
 
 
-def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=False):
+def slot_states(x, log_alpha, mask, W, nch, initial=None, return_decay=False):
     """Slot state before each stream chunk of CS tokens, and the final one: [B, H, nch + 1, M, DX] fp32.
 
     Two launches: every chunk's own update in parallel, then a short elementwise scan over chunks."""
@@ -411,7 +410,7 @@ def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=Fal
     _chunk_update_kernel[(nch, B * H, triton.cdiv(DX, BD))](
         x, log_alpha, mask, out, dec,
         x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
-        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(prec), num_warps=4,
+        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(x.dtype), num_warps=4,
     )
     launched("chunk_update")
     s0 = initial.contiguous().float() if initial is not None else out
@@ -425,14 +424,14 @@ def slot_states(x, log_alpha, mask, W, nch, prec, initial=None, return_decay=Fal
 
 CONFIG = {
     "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
-    "slot_precision": "tf32x3",  # its fp32 slot-state products (see slot_precision)
+    "slot_precision": "tf32x3",  # its fp32 slot products (products.py: tf32x3, bf16x3, tf32)
     "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
     "fwd_slots_first": False,  # the fused kernel's slot part before its window part (fewer live tiles at once)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o, since the backward recomputes delta exactly: only the logits must match the backward's)
     "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
     # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
-    "slot_bwd_precision": "tf32x3",  # fp32 x fp32 products of the slot backward (bf16/fp16 inputs)
+    "slot_bwd_precision": "tf32x3",  # fp32 products of the slot backward (products.py)
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 8)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
@@ -454,6 +453,10 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "values_tf32": dict(value_precision="tf32"),
     "fwd_tf32": dict(slot_precision="tf32"),
     "bwd_tf32": dict(slot_bwd_precision="tf32"),
+    "bf16x3": dict(slot_precision="bf16x3", slot_bwd_precision="bf16x3"),
+    "fwd_bf16x3": dict(slot_precision="bf16x3"),
+    "bwd_bf16x3": dict(slot_bwd_precision="bf16x3"),
+    "bf16x3_slots_first": dict(slot_precision="bf16x3", slot_bwd_precision="bf16x3", fwd_slots_first=True),
     "fwd_block8": dict(fwd_block=8),
     "fwd_warps4": dict(num_warps_64=4),
     "fwd_slots_first": dict(fwd_slots_first=True),
@@ -484,8 +487,8 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     if filled0 is None:
         filled0 = torch.zeros(B, dtype=torch.int32, device=dev)
     if has_slots:
-        sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_keys, return_decay=True)
-        sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec, initial_values)
+        sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, initial_keys, return_decay=True)
+        sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     cq = CONFIG["fwd_block"]
@@ -501,8 +504,8 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
-        HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.prec),
-        VPREC=value_precision(p.prec), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
+        HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
+        VPREC=value_precision(p.q.dtype), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )

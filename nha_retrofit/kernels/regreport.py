@@ -60,8 +60,8 @@ def cases(HQ, H, D, M):
     out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
-    for cq, sprec, vprec in [(16, "tf32x3", "tf32x3"), (16, "tf32x3", "tf32"), (16, "tf32", "tf32"),
-                             (8, "tf32x3", "tf32x3"), (8, "tf32x3", "tf32"), (8, "tf32", "tf32")]:
+    for cq, sprec, vprec in [(16, "tf32x3", "tf32x3"), (16, "bf16x3", "bf16x3"), (16, "tf32x3", "tf32"),
+                             (16, "tf32", "tf32"), (8, "tf32x3", "tf32x3"), (8, "tf32x3", "tf32"), (8, "tf32", "tf32")]:
         br = max(16, pow2(cq * G))
         warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
@@ -83,15 +83,16 @@ def cases(HQ, H, D, M):
     return out + slot_bwd_cases(HQ, H, D, M)
 
 
-def slot_bwd_cases(HQ, H, D, M, launches=((8, 4), (8, 8), (16, 4))):
-    """The slot backward kernels per (row-block tokens, warps); the first is the default launch."""
+def slot_bwd_cases(HQ, H, D, M, launches=((8, 4, "tf32x3"), (8, 4, "bf16x3"), (8, 8, "tf32x3"), (16, 4, "tf32x3"))):
+    """The slot backward kernels per (row-block tokens, warps, fp32 product precision); the first is the
+    default launch."""
     G = HQ // H
     pow2 = triton.next_power_of_2
     out = []
-    for bq, warps in launches:
+    for bq, warps, sprec in launches:
         common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(64, D),
-                      SPREC="tf32x3", LIMIT=cf.CONFIG["block_factor_limit"])
-        tag = f"block={bq}"
+                      SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
+        tag = f"block={bq} {sprec}"
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
                  dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),

@@ -29,10 +29,9 @@ before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do th
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
 exp(a_u - a_j) s_j (loops of BQ rank-1 updates, as the forward), so no decay overflows. The row weights Wk, Wv
 are stored without decay factors.
-fp32 x fp32 products use CONFIG["slot_bwd_precision"] (3xTF32 by default: plain TF32 broke the log_alpha
-gradient, NOTES.md v2); a product with one bf16/fp16 operand takes two TF32 MMAs on a hi/lo split of the fp32
-one (`_dot_xa`, `_dot_xb`): 3xTF32's accuracy, since its third MMA would multiply the exact operand's zero low
-part. Products of two bf16/fp16 operands are exact in fp32 accumulation.
+fp32 products use CONFIG["slot_bwd_precision"] (products.py; 3xTF32 by default: plain TF32 broke the log_alpha
+gradient, NOTES.md v2), with one MMA fewer where one operand is an upcast input (`dot_xa`, `dot_xb`). Products
+of two bf16/fp16 operands are exact in fp32 accumulation.
 """
 
 import torch
@@ -41,6 +40,7 @@ import triton.language as tl
 
 from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc,
                         launched, scan_tile, slot_states)
+from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D
 BQ = 8  # query tokens per row block (CONFIG["slot_bwd_block"] overrides)
@@ -161,9 +161,9 @@ def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a
     ba = tl.zeros(causal.shape, dtype=tl.float32)
     bb = tl.zeros(causal.shape, dtype=tl.float32)
     if A:
-        ba = tl.where(causal, tl.dot(wa * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+        ba = tl.where(causal, dot_f32(wa * e_in, tl.trans(kw), SPREC), 0.0)
     if B:
-        bb = tl.where(causal, tl.dot(wb * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+        bb = tl.where(causal, dot_f32(wb * e_in, tl.trans(kw), SPREC), 0.0)
     if direct:
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
@@ -192,32 +192,6 @@ def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
 
 
 @triton.jit
-def _tf32_hi(x):
-    """x with the 13 low mantissa bits cleared (exact in TF32); x - _tf32_hi(x) is exact in fp32."""
-    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dot_xb(a, b, SPREC: tl.constexpr):
-    """a . b for fp32 a and an fp32 b whose values are exact in TF32 (bf16/fp16 upcasts, 0/1)."""
-    if SPREC == "tf32x3":
-        hi = _tf32_hi(a)
-        return tl.dot(hi, b, tl.dot(a - hi, b, input_precision="tf32"), input_precision="tf32")
-    else:
-        return tl.dot(a, b, input_precision=SPREC)
-
-
-@triton.jit
-def _dot_xa(a, b, SPREC: tl.constexpr):
-    """a . b for an fp32 a whose values are exact in TF32 and fp32 b."""
-    if SPREC == "tf32x3":
-        hi = _tf32_hi(b)
-        return tl.dot(a, hi, tl.dot(a, b - hi, input_precision="tf32"), input_precision="tf32")
-    else:
-        return tl.dot(a, b, input_precision=SPREC)
-
-
-@triton.jit
 def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
                     BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
     """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S before the
@@ -230,7 +204,7 @@ def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, B
         yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :])
         xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
-        xs += _dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
+        xs += dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
     return xy, xs
 
 
@@ -274,8 +248,8 @@ def _rows_kernel(
     # logits and dP
     qk, xc = _chunk_products(Q, row, K, krow, SK, st, tv, jr, offs_c, D, BD, M, BR, CSZ, PREC, SPREC)
     ov, xv = _chunk_products(DO, orow, V, vrow, SV, st, tv, jr, offs_c, DV, BD, M, BR, CSZ, PREC, SPREC)
-    x_in = tl.dot(tl.where(causal, qk, 0.0), kw, input_precision=SPREC) * e_in
-    x_ov = tl.dot(tl.where(causal, ov, 0.0), kw, input_precision=SPREC) * e_in
+    x_in = dot_f32(tl.where(causal, qk, 0.0), kw, SPREC) * e_in
+    x_ov = dot_f32(tl.where(causal, ov, 0.0), kw, SPREC) * e_in
     if direct:  # the block's own tokens: direct weights, as the forward
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
@@ -297,7 +271,7 @@ def _rows_kernel(
     # E per stream position: the sum over a token's G rows, as a 0/1 selection product
     it = tl.arange(0, BT)
     pick = ((tok[None, :] == it[:, None]) & tv[None, :]).to(tl.float32)  # [BT, BR]
-    etok = _dot_xa(pick, tl.where(tv[:, None], dl * lraw + p * dp, 0.0), SPREC)  # [BT, M]
+    etok = dot_xa(pick, tl.where(tv[:, None], dl * lraw + p * dp, 0.0), SPREC)  # [BT, M]
     te = t0 + it
     e_off = (pid_bh.to(tl.int64) * L + te) * M
     tl.store(E + e_off[:, None] + offs_m[None, :], etok, mask=((it < CQB) & (te < T))[:, None])
@@ -306,7 +280,7 @@ def _rows_kernel(
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
     # dq (slot part)
-    bk = tl.where(causal, tl.dot(wk * e_in, tl.trans(kw), input_precision=SPREC), 0.0)
+    bk = tl.where(causal, dot_f32(wk * e_in, tl.trans(kw), SPREC), 0.0)
     if direct:
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
@@ -317,7 +291,7 @@ def _rows_kernel(
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        dq = tl.dot(wc, skd, input_precision=SPREC) + _dot_xb(bk, kd.to(tl.float32), SPREC)
+        dq = dot_f32(wc, skd, SPREC) + dot_xb(bk, kd.to(tl.float32), SPREC)
         tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
 
 
@@ -350,11 +324,11 @@ def _keys_da_kernel(
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rkd = tl.load(RK + cidx * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        uv += _dot_xa(kd.to(tl.float32), tl.trans(rkd), SPREC)
+        uv += dot_xa(kd.to(tl.float32), tl.trans(rkd), SPREC)
     for d0 in range(0, DV, BD):
         vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
-        uv += _dot_xa(vd.to(tl.float32), tl.trans(rvd), SPREC)
+        uv += dot_xa(vd.to(tl.float32), tl.trans(rvd), SPREC)
     uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
     r = tl.arange(0, BR)
     tok = r // GQ
@@ -383,8 +357,8 @@ def _keys_da_kernel(
         wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
         a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM)
         e_in = tl.exp(a_in)
-        intra = (tl.dot(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, input_precision=SPREC)
-                 + tl.dot(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, input_precision=SPREC))
+        intra = (dot_f32(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, SPREC)
+                 + dot_f32(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, SPREC))
         uv += intra * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
         if direct:  # the block's own tokens
             cum = tl.zeros([BM], dtype=tl.float32)
@@ -403,16 +377,15 @@ def _keys_da_kernel(
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
 
 
-def slot_bwd_precision(prec):
-    """Precision of the fp32 products of the slot backward: IEEE for fp32 inputs, else
-    CONFIG["slot_bwd_precision"] (3xTF32 by default)."""
-    return "ieee" if prec == "ieee" else CONFIG.get("slot_bwd_precision", "tf32x3")
+def slot_bwd_precision(dtype):
+    """SPREC (products.py) of the slot backward's fp32 products for `dtype` inputs: CONFIG["slot_bwd_precision"]."""
+    return product_precision(CONFIG["slot_bwd_precision"], dtype)
 
 
 def _recomputed_states(p):
     """(Sk, Sv, per-chunk decay) before each chunk, when the forward did not keep them."""
-    sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, p.prec, return_decay=True)
-    return sk, slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, p.prec), dec
+    sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, return_decay=True)
+    return sk, slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch), dec
 
 
 def _strides(p, do):
@@ -454,7 +427,7 @@ def _state_grad_kernel(
             G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
             CSZ, LIMIT, True, False)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
-        acc = acc + _dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
+        acc = acc + dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
     tl.store(C_OUT + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
 
 
@@ -476,11 +449,9 @@ def _keys_kernel(
     acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
     acc_v = tl.zeros([CSZ, BD], dtype=tl.float32)
     if DO_K:
-        acc_k = tl.dot(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]),
-                       input_precision=SPREC)
+        acc_k = dot_f32(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]), SPREC)
     if DO_V:
-        acc_v = tl.dot(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]),
-                       input_precision=SPREC)
+        acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), SPREC)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
@@ -490,9 +461,9 @@ def _keys_kernel(
         bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
                                 T, W, M, CQB, CSZ, SPREC, DO_K, DO_V)
         if DO_K:
-            acc_k += _dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
+            acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
-            acc_v += _dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
+            acc_v += dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
     if DO_K:
         _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
     if DO_V:
@@ -521,7 +492,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     BR = max(16, triton.next_power_of_2(bq * G))
     BT = max(16, triton.next_power_of_2(bq))
     bd_ = min(BD, D, DV)
-    sprec = slot_bwd_precision(p.prec)
+    sprec = slot_bwd_precision(p.q.dtype)
     dq = alloc(B, T, HQ, D, dtype=f32, device=dev)
     dbr = alloc(B, T, HQ, dtype=f32, device=dev)
     E = alloc(B, H, L, M, dtype=f32, device=dev)
