@@ -38,7 +38,7 @@ if ls .whl/fla_core-*.whl .whl/einops-*.whl >/dev/null 2>&1; then
 fi
 
 # most important first: a step that runs out of time loses the least
-# a shorter session: BUDGET, the CAP_* step limits, VARIANTS and OPS_LENGTHS from the environment
+# a shorter session: BUDGET, the CAP_* step limits, VARIANTS, TVARIANTS_K and OPS_LENGTHS from the environment
 DEFAULT_VARIANTS=defaults,fwd_slots_first,bf16x3,bf16x3_slots_first,fwd_bf16x3,bwd_bf16x3,values_tf32,fwd_tf32,fwd_block8,fwd_warps4,direct_blocks,save_states,scan_tile_8x32
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,bwd_tf32,window_dkv_8warps,slot_bwd_8warps,slot_bwd_block16,slot_bwd_split_keys
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
@@ -47,7 +47,8 @@ step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-
   --variants "$VARIANTS" \
   --skip nha,sdpa,decode --out-dir "$OUT/parts"
 step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
-step tests_variants "${CAP_TVARIANTS:-100}" $PY "${PT[@]}" tests/kernels -k "config_variants"
+# TVARIANTS_K narrows the variant tests (pytest -k), e.g. "config_variants and (bf16x3 or slots_first)"
+step tests_variants "${CAP_TVARIANTS:-100}" $PY "${PT[@]}" tests/kernels -k "${TVARIANTS_K:-config_variants}"
 
 {
   echo; echo "# summary"

@@ -174,7 +174,8 @@ def test_prefill_in_two_parts_with_carried_state(window):
 
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_tf32", "bwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "save_states",
-    "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys", "fwd_slots_first", "bf16x3", "bf16x3_slots_first")}
+    "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys", "fwd_slots_first", "bf16x3", "bf16x3_slots_first",
+    "scan_tile_8x32")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
