@@ -188,7 +188,8 @@ def _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX: tl.constexpr, offs_c):
 def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
     """OUT[b, j, h, offs_c] = acc for the chunk's positions j in the stream."""
     jv = (j >= 0) & (j < T - W)
-    tl.store(OUT + (b * so_b + j.to(tl.int64) * so_t + h * so_h)[:, None] + offs_c[None, :], acc, mask=jv[:, None])
+    tl.store(OUT + (b * so_b + j.to(tl.int64) * so_t + h * so_h)[:, None] + offs_c[None, :],
+             acc.to(OUT.dtype.element_ty), mask=jv[:, None])
 
 
 @triton.jit
@@ -292,7 +293,7 @@ def _rows_kernel(
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
         dq = dot_f32(wc, skd, SPREC) + dot_xb(bk, kd.to(tl.float32), SPREC)
-        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq, mask=tv[:, None])
+        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq.to(DQ.dtype.element_ty), mask=tv[:, None])
 
 
 @triton.jit
@@ -476,7 +477,8 @@ def launch_shape():
 
 
 def slot_backward_triton(p, do, lse, delta, scale, states=None):
-    """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias), fp32.
+    """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias); dq and dk in the inputs' dtypes (stored
+    once, rounded in the kernel), the others fp32.
 
     `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is completed in place with the
     slot share, for the window backward that follows. `states`: the forward's (Sk, Sv, dec), else recomputed."""
@@ -493,7 +495,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     BT = max(16, triton.next_power_of_2(bq))
     bd_ = min(BD, D, DV)
     sprec = slot_bwd_precision(p.q.dtype)
-    dq = alloc(B, T, HQ, D, dtype=f32, device=dev)
+    dq = alloc(B, T, HQ, D, dtype=p.q.dtype, device=dev)
     dbr = alloc(B, T, HQ, dtype=f32, device=dev)
     E = alloc(B, H, L, M, dtype=f32, device=dev)
     wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
@@ -514,7 +516,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
         )
         launched("slot bwd state_grad")
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
-    dk = alloc(B, T, H, D, dtype=f32, device=dev)
+    dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
     dv = alloc(B, T, H, DV, dtype=f32, device=dev)
     if T > W:
         kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),

@@ -152,11 +152,12 @@ def window_delta(p, do, lse, scale):
 
 
 def window_backward(p, do, lse, delta, scale):
-    """Gradients of the window half: (dq_rope, dk_rope, dv) in fp32."""
+    """Gradients of the window half: (dq_rope, dk_rope) in the inputs' dtypes (stored once, rounded in the
+    kernel), dv in fp32 (the slot part's is added to it)."""
     B, T, HQ, D, H, DV = p.B, p.T, p.HQ, p.D, p.H, p.DV
     do = do.contiguous()
-    dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=torch.float32, device=do.device)
-    dkr = chunk_fwd.alloc(B, T, H, D, dtype=torch.float32, device=do.device)
+    dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=p.q_rope.dtype, device=do.device)
+    dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
     args, meta = _launch(p, do, scale)
     BN = meta["BN"]
