@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .products import dot_f32, product_precision
+from .products import dot_f32, dot_xa, product_precision
 
 CQ = 16  # query tokens per program of the fused kernel
 CS = 64  # tokens per slot-state chunk (multiple of CQ)
@@ -185,6 +185,23 @@ def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen
 
 
 @triton.jit
+def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
+                    BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
+    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S before the
+    chunk, over column passes: ([rows, CS], [rows, M]) fp32."""
+    offs_m = tl.arange(0, M)
+    xy = tl.zeros([BR, CSZ], dtype=tl.float32)
+    xs = tl.zeros([BR, M], dtype=tl.float32)
+    for d0 in range(0, DX, BD):
+        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :])
+        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
+        xs += dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
+    return xy, xs
+
+
+@triton.jit
 def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr):
     """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
     acc += dot_f32(pc, tl.load(SVP + cols[None, :]), VPREC)
@@ -288,15 +305,9 @@ def _fwd_kernel(
         a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
         e_in = tl.exp(a_in)  # <= 1 for rows of this block
         e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
-        offs_c = tl.arange(0, BDS)
-        qk = tl.zeros([BR, CSZ], dtype=tl.float32)
-        x_car = tl.zeros([BR, M], dtype=tl.float32)
-        for d0 in range(0, D, BDS):
-            qd = tl.load(Q + row_off[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-            skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-            qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-            x_car += dot_f32(qd.to(tl.float32), tl.trans(skd), SPREC)
+        # the same products as the slot backward's rows kernel, so its recomputed logits match this L
+        qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, tv, jr, tl.arange(0, BDS), D, BDS, M, BR, CSZ,
+                                    PREC, SPREC)
         qk = tl.where(causal, qk, 0.0)
         x_in = dot_f32(qk, kw, SPREC) * e_in
         if direct:

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _query_rows, _row_decay, _row_stats, alloc,
-                        launched, scan_tile, slot_states)
+from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _chunk_products, _query_rows, _row_decay,
+                        _row_stats, alloc, launched, scan_tile, slot_states)
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D
@@ -190,23 +190,6 @@ def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
     jv = (j >= 0) & (j < T - W)
     tl.store(OUT + (b * so_b + j.to(tl.int64) * so_t + h * so_h)[:, None] + offs_c[None, :],
              acc.to(OUT.dtype.element_ty), mask=jv[:, None])
-
-
-@triton.jit
-def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
-                    BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
-    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S before the
-    chunk, over column passes: ([rows, CS], [rows, M]) fp32."""
-    offs_m = tl.arange(0, M)
-    xy = tl.zeros([BR, CSZ], dtype=tl.float32)
-    xs = tl.zeros([BR, M], dtype=tl.float32)
-    for d0 in range(0, DX, BD):
-        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :])
-        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
-        xs += dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
-    return xy, xs
 
 
 @triton.jit
