@@ -29,6 +29,8 @@ cat "$OUT/device.txt"
 
 PT=(-m pytest -p no:cacheprovider -q -rfE -s --durations=15)
 if $PY -c "import pytest_timeout" 2>/dev/null; then PT+=(--timeout=90); fi
+# the tests are mostly Triton compilation (CPU) and small launches: several workers share the one GPU
+if $PY -c "import xdist" 2>/dev/null; then PT+=(-n "${TEST_WORKERS:-6}"); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # fla (the windowed-attention and GSA baselines of ops.py) from wheels carried in .whl (git-ignored; the device
 # machine has no network): fla-core and its one dependency, einops
@@ -39,16 +41,16 @@ fi
 
 # most important first: a step that runs out of time loses the least
 # a shorter session: BUDGET, the CAP_* step limits, VARIANTS, TVARIANTS_K and OPS_LENGTHS from the environment
-DEFAULT_VARIANTS=defaults,fwd_slots_first,bf16x3,bf16x3_slots_first,fwd_bf16x3,bwd_bf16x3,values_tf32,fwd_tf32,fwd_block8,fwd_warps4,direct_blocks,save_states,scan_tile_8x32
+DEFAULT_VARIANTS=defaults,fwd_window_first,tf32x3,tf32x3_window_first,fwd_tf32x3,bwd_tf32x3,values_tf32,fwd_tf32,fwd_block8,fwd_warps4,direct_blocks,save_states,scan_tile_8x32
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,bwd_tf32,window_dkv_8warps,slot_bwd_8warps,slot_bwd_block16,slot_bwd_split_keys
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
-step tests "${CAP_TESTS:-160}" $PY "${PT[@]}" tests/kernels -k "not config_variants"
+step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "not config_variants"
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \
   --variants "$VARIANTS" \
   --skip nha,sdpa,decode --out-dir "$OUT/parts"
 step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
-# TVARIANTS_K narrows the variant tests (pytest -k), e.g. "config_variants and (bf16x3 or slots_first)"
-step tests_variants "${CAP_TVARIANTS:-100}" $PY "${PT[@]}" tests/kernels -k "${TVARIANTS_K:-config_variants}"
+# TVARIANTS_K narrows the variant tests (pytest -k), e.g. "config_variants and (tf32x3 or window_first)"
+step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "${TVARIANTS_K:-config_variants}"
 
 {
   echo; echo "# summary"

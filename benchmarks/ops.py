@@ -192,7 +192,7 @@ def parts(T=32768, w=64):
     return out
 
 
-FWD_SAME = {"bwd_tf32", "bwd_bf16x3", "window_dkv_8warps", "save_states", "slot_bwd_8warps", "slot_bwd_block16",
+FWD_SAME = {"bwd_tf32", "bwd_tf32x3", "window_dkv_8warps", "save_states", "slot_bwd_8warps", "slot_bwd_block16",
             "slot_bwd_split_keys"}  # forward as the defaults: timed with fwd+bwd only
 
 
@@ -245,6 +245,15 @@ def main():
         skip |= {"fla_window", "fla_gsa"}
     records = []
 
+    def save():  # after every measurement: a run killed by a time limit keeps what it measured
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "ops_h200.json"), "w") as f:
+            json.dump(records, f, indent=1)
+        md = table(records, lengths, torch.cuda.get_device_name())
+        with open(os.path.join(args.out_dir, "ops_h200.md"), "w") as f:
+            f.write(md)
+        return md
+
     def record(impl, T, window, mode, fn):
         if impl in skip:
             return
@@ -255,6 +264,7 @@ def main():
             ms = None
         records.append(dict(impl=impl, T=T, window=window, mode=mode, ms=ms))
         print(f"{impl:12s} T={T:6d} w={str(window):5s} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
+        save()
         torch.cuda.empty_cache()
 
     from nha_retrofit.kernels import chunk_fwd
@@ -290,6 +300,7 @@ def main():
         eager, graphed = run_decode()
         records.append(dict(impl="nha_decode_28L_eager", T=None, window=64, mode="decode", ms=eager))
         records.append(dict(impl="nha_decode_28L_graph", T=None, window=64, mode="decode", ms=graphed))
+        save()
         print(f"decode 28 layers: eager {eager:.3f} ms, graph replay {graphed:.3f} ms")
     # fla's GSA autotunes many kernels on first use (minutes): last, and only while time is left
     for T in [t for t in lengths if str(t) in args.gsa_lengths.split(",") and "fla_gsa" not in skip]:
@@ -299,14 +310,7 @@ def main():
                 continue
             record("fla_gsa", T, 64, mode, lambda: run_fla_gsa(T, mode))
     print(f"bench wall {time.time() - t_start:.0f} s")
-
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "ops_h200.json"), "w") as f:
-        json.dump(records, f, indent=1)
-    md = table(records, lengths, torch.cuda.get_device_name())
-    with open(os.path.join(args.out_dir, "ops_h200.md"), "w") as f:
-        f.write(md)
-    print(md)
+    print(save())
 
 
 def table(records, lengths, device):
