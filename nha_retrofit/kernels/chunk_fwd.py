@@ -143,15 +143,16 @@ def _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ: tl.constexpr):
 
 
 @triton.jit
-def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.constexpr):
+def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.constexpr, MT: tl.constexpr):
     """Per row (token t, one of its heads): the summed log gates of the stream positions from the query
     block's start to t inclusive (rows are token-major: a cumsum over the rows that are a token's first
-    head gives it)."""
+    head gives it). [rows, MT]: M slots, zero in the padding columns of a wider slot tile MT >= M."""
     j = t - W
     jv = first_head & (j >= 0) & (j < T - W)
     jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
-    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + tl.arange(0, M)[None, :],
-                mask=jr[:, None], other=0.0).to(tl.float32)
+    offs_m = tl.arange(0, MT)
+    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
+                mask=jr[:, None] & (offs_m < M)[None, :], other=0.0).to(tl.float32)
     return tl.cumsum(g, axis=0)
 
 
@@ -173,38 +174,43 @@ def _block_split(g, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constex
 
 
 @triton.jit
-def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr):
+def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr,
+                       MT: tl.constexpr):
     """Token j of the query block: its decays to the rows that see it, exp(a_u - a_j) = exp(a_in - cum)
-    [rows, M] (cum: the block's summed log gates up to j, updated), and its write weight s_j [M]."""
-    offs_m = tl.arange(0, M)
+    [rows, MT] (cum: the block's summed log gates up to j, updated), and its write weight s_j [MT] (M slots,
+    zero gates in the padding of a slot tile MT >= M)."""
+    offs_m = tl.arange(0, MT)
     ok = (j >= 0) & (j < T - W) & (tl.load(MASK + b * T + tl.minimum(tl.maximum(j, 0), T - 1)) > 0)
     jc = tl.where(ok, j, 0).to(tl.int64)  # a valid address either way (no scalar masks: the interpreter lacks them)
-    g = tl.where(ok, tl.load(G + b * sg_b + jc * sg_t + h * sg_h + offs_m).to(tl.float32), 0.0)
+    g = tl.where(ok, tl.load(G + b * sg_b + jc * sg_t + h * sg_h + offs_m, mask=offs_m < M, other=0.0).to(tl.float32),
+                 0.0)
     cum = cum + g
     return tl.where(seen[:, None], tl.exp(a_in - cum[None, :]), 0.0), 1.0 - tl.exp(g), cum
 
 
 @triton.jit
 def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
-                    BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
-    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S before the
-    chunk, over column passes: ([rows, CS], [rows, M]) fp32."""
-    offs_m = tl.arange(0, M)
+                    MT: tl.constexpr, BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr,
+                    SPREC: tl.constexpr):
+    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S ([M, DX]
+    per chunk) before the chunk, over column passes: ([rows, CS], [rows, MT]) fp32, zero past slot M."""
+    offs_m = tl.arange(0, MT)
     xy = tl.zeros([BR, CSZ], dtype=tl.float32)
-    xs = tl.zeros([BR, M], dtype=tl.float32)
+    xs = tl.zeros([BR, MT], dtype=tl.float32)
     for d0 in range(0, DX, BD):
         xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
         yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :])
+        sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :], mask=(offs_m < M)[:, None],
+                     other=0.0)
         xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
         xs += dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
     return xy, xs
 
 
 @triton.jit
-def _read_values(acc, pc, wm, SVP, VP, jr, cols, PREC: tl.constexpr, VPREC: tl.constexpr):
-    """acc[:, cols] + pc . Sv[:, cols] (carried state) + wm . v[:, cols] (the chunk's tokens)."""
-    acc += dot_f32(pc, tl.load(SVP + cols[None, :]), VPREC)
+def _read_values(acc, pc, wm, SVP, VP, jr, slots, cols, PREC: tl.constexpr, VPREC: tl.constexpr):
+    """acc[:, cols] + pc . Sv[:, cols] (carried state, rows `slots` real) + wm . v[:, cols] (the chunk's tokens)."""
+    acc += dot_f32(pc, tl.load(SVP + cols[None, :], mask=slots[:, None], other=0.0), VPREC)
     vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
     return acc + tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
 
@@ -248,7 +254,7 @@ def _fwd_kernel(
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+    MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
 ):
@@ -290,10 +296,11 @@ def _fwd_kernel(
         jv = (j >= 0) & (j < T - W) & (offs_u < off + CQB)
         jreal = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
         jr = jv & jreal
-        offs_m = tl.arange(0, M)
+        offs_m = tl.arange(0, MT)  # MT >= M: the padding slots have zero gates and states and -inf logits
+        slots = offs_m < M
         g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                    mask=jr[:, None], other=0.0).to(tl.float32)
-        a = tl.cumsum(g, axis=0)  # [CS, M], from the chunk start, inclusive
+                    mask=jr[:, None] & slots[None, :], other=0.0).to(tl.float32)
+        a = tl.cumsum(g, axis=0)  # [CS, MT], from the chunk start, inclusive
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
         krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
@@ -302,26 +309,26 @@ def _fwd_kernel(
         # else the block's own tokens get direct weights below: nothing can overflow
         a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M)
+        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M, MT)
         e_in = tl.exp(a_in)  # <= 1 for rows of this block
         e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
         # the same products as the slot backward's rows kernel, so its recomputed logits match this L
-        qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, tv, jr, tl.arange(0, BDS), D, BDS, M, BR, CSZ,
-                                    PREC, SPREC)
+        qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, tv, jr, tl.arange(0, BDS), D, BDS, M, MT, BR,
+                                    CSZ, PREC, SPREC)
         qk = tl.where(causal, qk, 0.0)
         x_in = dot_f32(qk, kw, SPREC) * e_in
         if direct:
-            cum = tl.zeros([M], dtype=tl.float32)
+            cum = tl.zeros([MT], dtype=tl.float32)
             for jj in range(CQB):
                 e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                                   a_in, tok >= jj, M)
+                                                   a_in, tok >= jj, M, MT)
                 x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
         logits = (x_in + x_car * e_car) * scale + bias[:, None]
         first = tl.load(FIRST + b)
         filled0 = tl.load(FILLED0 + b)
         readable = active & ((filled0 > 0) | (t - W >= first))
-        logits = tl.where(readable[:, None], logits, float("-inf"))
+        logits = tl.where(readable[:, None] & slots[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(logits - m_use[:, None])
@@ -332,21 +339,21 @@ def _fwd_kernel(
         pc = p * e_car
         wm = tl.where(causal, dot_f32(p * e_in, tl.trans(kw), VPREC), 0.0)
         if direct:
-            cum = tl.zeros([M], dtype=tl.float32)
+            cum = tl.zeros([MT], dtype=tl.float32)
             for jj in range(CQB):
                 e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                                   a_in, tok >= jj, M)
+                                                   a_in, tok >= jj, M, MT)
                 wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if DV == 2 * BDS:  # the value read in two column halves of acc
             halves = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BDS]), [0, 2, 1]))
             cols = tl.arange(0, BDS)
-            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, cols, PREC, VPREC)
-            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, BDS + cols, PREC, VPREC)
+            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, slots, cols, PREC, VPREC)
+            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, slots, BDS + cols, PREC, VPREC)
             acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
-            acc = _read_values(acc, pc, wm, svp, vp, jr, offs_dv, PREC, VPREC)
+            acc = _read_values(acc, pc, wm, svp, vp, jr, slots, offs_dv, PREC, VPREC)
 
     if HAS_WINDOW:
         if SLOTS_FIRST:  # the window after the slot part: its tiles are not live while the slot part runs
@@ -435,14 +442,20 @@ def slot_states(x, log_alpha, mask, W, nch, initial=None, return_decay=False):
 
 CONFIG = {
     "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
-    "slot_precision": "tf32x3",  # its fp32 slot products (products.py: tf32x3, bf16x3, tf32)
+    "slot_precision": "bf16x3",  # its fp32 slot products (products.py: bf16x3, tf32x3, tf32; bf16x3 was 1.3 ms
+    # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
     "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
-    "fwd_slots_first": False,  # the fused kernel's slot part before its window part (fewer live tiles at once)
+    "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o, since the backward recomputes delta exactly: only the logits must match the backward's)
+    "fwd_min_slot_tile": 64,  # the fused kernel's slot tiles are at least this wide (padding slots masked):
+    # with 16 or 32 slots, D = 64 and 3-4 query heads per kv head, Triton 3.6 miscompiled it on the H200
+    # (compute-sanitizer: an out-of-bounds shared-memory read in a slot product; wrong output or a fault;
+    # NOTES.md session 5); 64-wide tiles never failed
     "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
     # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
-    "slot_bwd_precision": "tf32x3",  # fp32 products of the slot backward (products.py)
+    "slot_bwd_precision": "bf16x3",  # fp32 products of the slot backward (products.py; bf16x3 was 4.6 ms faster
+    # than tf32x3 per 32K step on the H200)
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 8)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
@@ -464,13 +477,13 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "values_tf32": dict(value_precision="tf32"),
     "fwd_tf32": dict(slot_precision="tf32"),
     "bwd_tf32": dict(slot_bwd_precision="tf32"),
-    "bf16x3": dict(slot_precision="bf16x3", slot_bwd_precision="bf16x3"),
-    "fwd_bf16x3": dict(slot_precision="bf16x3"),
-    "bwd_bf16x3": dict(slot_bwd_precision="bf16x3"),
-    "bf16x3_slots_first": dict(slot_precision="bf16x3", slot_bwd_precision="bf16x3", fwd_slots_first=True),
+    "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
+    "fwd_tf32x3": dict(slot_precision="tf32x3"),
+    "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
+    "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
     "fwd_block8": dict(fwd_block=8),
     "fwd_warps4": dict(num_warps_64=4),
-    "fwd_slots_first": dict(fwd_slots_first=True),
+    "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
@@ -514,7 +527,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         p.v.stride(0), p.v.stride(1), p.v.stride(2),
         p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
         T, p.W, p.nch, float(scale),
-        HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, CQB=cq, CSZ=CS, BR=BR, BN=BN,
+        HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=CS, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
         VPREC=value_precision(p.q.dtype), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"],

@@ -64,7 +64,8 @@ def cases(HQ, H, D, M):
                              (16, "tf32", "tf32"), (8, "tf32x3", "tf32x3"), (8, "tf32x3", "tf32"), (8, "tf32", "tf32")]:
         br = max(16, pow2(cq * G))
         warps = cf.fwd_warps(br, D)
-        consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, CQB=cq, CSZ=cs, BR=br, BN=64 if br <= 64 else 32,
+        consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, cf.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
+                      BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
                       LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))

@@ -29,9 +29,10 @@ before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do th
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
 exp(a_u - a_j) s_j (loops of BQ rank-1 updates, as the forward), so no decay overflows. The row weights Wk, Wv
 are stored without decay factors.
-fp32 products use CONFIG["slot_bwd_precision"] (products.py; 3xTF32 by default: plain TF32 broke the log_alpha
-gradient, NOTES.md v2), with one MMA fewer where one operand is an upcast input (`dot_xa`, `dot_xb`). Products
-of two bf16/fp16 operands are exact in fp32 accumulation.
+fp32 products use CONFIG["slot_bwd_precision"] (products.py; three bf16 MMAs on hi/lo splits by default,
+3xTF32 below 64 slots: plain TF32 broke the log_alpha gradient, NOTES.md v2), with one MMA fewer where one
+operand is an upcast input (`dot_xa`, `dot_xb`). Products of two bf16/fp16 operands are exact in fp32
+accumulation.
 """
 
 import torch
@@ -146,7 +147,7 @@ def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, to
         wa = tl.load(WA + w_off, mask=tv[:, None], other=0.0)
     if B:
         wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
     return t, tv, causal, a_ref, kw, wa, wb, a_in, direct
 
 
@@ -168,7 +169,7 @@ def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
             e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
+                                               tok >= jj, M, M)
             col = offs_u[None, :] == off + jj
             if A:
                 ba = tl.where(col, tl.sum(wa * e_j * s_j[None, :], 1)[:, None], ba)
@@ -222,7 +223,7 @@ def _rows_kernel(
     causal = offs_u[None, :] <= (off + tok)[:, None]
     a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
     kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
     e_in = tl.exp(a_in)
     e_car = tl.exp(a_in + a_ref[None, :])
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
@@ -230,15 +231,15 @@ def _rows_kernel(
     st = pid_bh.to(tl.int64) * (NCH + 1) + c
 
     # logits and dP
-    qk, xc = _chunk_products(Q, row, K, krow, SK, st, tv, jr, offs_c, D, BD, M, BR, CSZ, PREC, SPREC)
-    ov, xv = _chunk_products(DO, orow, V, vrow, SV, st, tv, jr, offs_c, DV, BD, M, BR, CSZ, PREC, SPREC)
+    qk, xc = _chunk_products(Q, row, K, krow, SK, st, tv, jr, offs_c, D, BD, M, M, BR, CSZ, PREC, SPREC)
+    ov, xv = _chunk_products(DO, orow, V, vrow, SV, st, tv, jr, offs_c, DV, BD, M, M, BR, CSZ, PREC, SPREC)
     x_in = dot_f32(tl.where(causal, qk, 0.0), kw, SPREC) * e_in
     x_ov = dot_f32(tl.where(causal, ov, 0.0), kw, SPREC) * e_in
     if direct:  # the block's own tokens: direct weights, as the forward
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
             e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
+                                               tok >= jj, M, M)
             sel = offs_u[None, :] == off + jj
             x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
             x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
@@ -269,7 +270,7 @@ def _rows_kernel(
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
             e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M)
+                                               tok >= jj, M, M)
             bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
     wc = wk * e_car
     for d0 in range(0, D, BD):
@@ -339,7 +340,7 @@ def _keys_da_kernel(
         w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
         wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
         wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
-        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM)
+        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM, BM)
         e_in = tl.exp(a_in)
         intra = (dot_f32(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, SPREC)
                  + dot_f32(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, SPREC))
@@ -348,7 +349,7 @@ def _keys_da_kernel(
             cum = tl.zeros([BM], dtype=tl.float32)
             for jj in range(CQB):
                 e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                                   a_in, tok >= jj, BM)
+                                                   a_in, tok >= jj, BM, BM)
                 sel = offs_u[None, :] == off + jj
                 row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
                                 + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
@@ -361,9 +362,12 @@ def _keys_da_kernel(
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
 
 
-def slot_bwd_precision(dtype):
-    """SPREC (products.py) of the slot backward's fp32 products for `dtype` inputs: CONFIG["slot_bwd_precision"]."""
-    return product_precision(CONFIG["slot_bwd_precision"], dtype)
+def slot_bwd_precision(dtype, slots):
+    """SPREC (products.py) of the slot backward's fp32 products for `dtype` inputs: CONFIG["slot_bwd_precision"],
+    except "tf32x3" for bf16x3 with fewer than 64 slots (Triton 3.6 miscompiled its rows kernel's 16/32-wide bf16
+    slot products at D = 64 with 8 query heads per kv head on the H200: wrong gradients or a fault)."""
+    sprec = product_precision(CONFIG["slot_bwd_precision"], dtype)
+    return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
 
 
 def _recomputed_states(p):
@@ -477,7 +481,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     BR = max(16, triton.next_power_of_2(bq * G))
     BT = max(16, triton.next_power_of_2(bq))
     bd_ = min(BD, D, DV)
-    sprec = slot_bwd_precision(p.q.dtype)
+    sprec = slot_bwd_precision(p.q.dtype, p.M)
     dq = alloc(B, T, HQ, D, dtype=p.q.dtype, device=dev)
     dbr = alloc(B, T, HQ, dtype=f32, device=dev)
     E = alloc(B, H, L, M, dtype=f32, device=dev)

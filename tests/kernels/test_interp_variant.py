@@ -29,7 +29,7 @@ CASES = [
     # decay 2: factored and direct query blocks (CONFIG["block_factor_limit"]) mixed in one run
     ("defaults", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
-    ("fwd_slots_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),
+    ("fwd_window_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),
 ]
 
 

@@ -7,6 +7,8 @@ issue (T, GQA, D, M, window, dtype) appears in at least one combination. Each ch
 with ERRORS (relative error per tensor) that benchmarks/kernel_session.sh collects.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -39,6 +41,10 @@ COMBOS = [
     (1000, 9, 3, 64, 16, 0, torch.float32, 2),
     (111, 9, 3, 128, 64, 2048, torch.bfloat16, 2),
     (4097, 32, 8, 128, 64, 64, torch.bfloat16, 2),
+    # few slots, D = 64, 3-4 query heads per kv head: Triton 3.6 miscompiled the fused forward's 16/32-wide slot
+    # tiles here (CONFIG["fwd_min_slot_tile"])
+    (63, 9, 3, 64, 16, 1, torch.bfloat16, 2),
+    (200, 8, 2, 64, 32, 3, torch.bfloat16, 2),
 ]
 
 
@@ -64,6 +70,9 @@ def poison(monkeypatch):
     # synchronize after every kernel launch: an illegal memory access names its kernel (chunk_fwd.launched)
     # instead of surfacing at a later launch (v4 H200 run: reported at the window backward's launch)
     monkeypatch.setenv("NHA_KERNEL_SYNC", "1")
+    # NHA_KERNEL_VARIANT=name runs the whole file under that CONFIG variant (a candidate default)
+    for key, value in chunk_fwd.CONFIG_VARIANTS[os.environ.get("NHA_KERNEL_VARIANT", "defaults")].items():
+        monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
     chunk_fwd.POISON = True
     yield
     chunk_fwd.POISON = False
@@ -174,7 +183,7 @@ def test_prefill_in_two_parts_with_carried_state(window):
 
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_tf32", "bwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "save_states",
-    "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys", "fwd_slots_first", "bf16x3", "bf16x3_slots_first",
+    "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys", "fwd_window_first", "tf32x3", "tf32x3_window_first",
     "scan_tile_8x32")}
 
 
