@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, product_precision
 
 CQ = 16  # query tokens per program of the fused kernel
@@ -433,6 +434,13 @@ def slot_states(x, log_alpha, mask, W, nch, initial=None, return_decay=False):
     launched("chunk_update")
     s0 = initial.contiguous().float() if initial is not None else out
     BM, BDS = scan_tile(M, DX, 16)
+    if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
+        out[:, :, 0] = 0.0 if initial is None else s0
+        segmented_chunk_scan(out.view(B * H, nch + 1, M, DX), dec.view(B * H, nch, M), out.view(B * H, nch + 1, M, DX),
+                             nch + 1, 1, CONFIG["scan_segment"], (BM, BDS),
+                             x0=None if initial is None else s0.view(B * H, M, DX))
+        launched("segmented state_scan")
+        return (out, dec) if return_decay else out
     _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
         out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
     )
@@ -466,6 +474,8 @@ CONFIG = {
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
+    "scan_segment": None,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
+    # one sequential pass over all chunks per tile)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
@@ -488,6 +498,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "save_states": dict(save_states=True),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
+    "scan_segment_16": dict(scan_segment=16),
+    "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_block16": dict(slot_bwd_block=16),

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import chunk_fwd as cf
-from . import decode, slot_bwd, window_bwd
+from . import chunk_scan, decode, slot_bwd, window_bwd
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
@@ -26,7 +26,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, G=BF, O=BF, W
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
-                CONT=F32, DBR=F32, C_OUT=F32, DK=BF)
+                CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32)
 
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
@@ -60,6 +60,9 @@ def cases(HQ, H, D, M):
     out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
+    seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
+    out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
+            ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2)]
     for cq, sprec, vprec in [(16, "tf32x3", "tf32x3"), (16, "bf16x3", "bf16x3"), (16, "tf32x3", "tf32"),
                              (16, "tf32", "tf32"), (8, "tf32x3", "tf32x3"), (8, "tf32x3", "tf32"), (8, "tf32", "tf32")]:
         br = max(16, pow2(cq * G))

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _chunk_products, _query_rows, _row_decay,
                         _row_stats, alloc, launched, scan_tile, slot_states)
+from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D
@@ -72,6 +73,12 @@ def reverse_scan(cont, dec):
     B, H, n, M, X = cont.shape
     cont, dec = cont.contiguous(), dec.contiguous()
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
+    if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
+        flat = (B * H, n, M, X)
+        segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), n, 0, CONFIG["scan_segment"],
+                             scan_tile(M, X, 16), reverse=True)
+        launched("segmented rev_scan")
+        return out
     BM, BD = scan_tile(M, X, M)
     _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), B * H)](cont, dec, out, n, M=M, DX=X, BM=BM, BD=BD,
                                                               num_warps=4, num_stages=3)

@@ -26,3 +26,7 @@ require_interpreter_triton()
 @pytest.mark.parametrize("shape", [(70, 1, 1, 128, 128, 64, 2)], ids=lambda s: "T{}_g{}-{}_D{}_M{}_w{}_b{}".format(*s))
 def test_training_kernels_stay_in_bounds_under_interpreter(shape):
     run_interp_script("interp_bounds.py", *shape, expect="in bounds")
+
+
+def test_two_level_chunk_scans_match_under_interpreter():
+    run_interp_script("interp_chunk_scan.py", expect="OK")
