@@ -4,6 +4,7 @@
 # benchmark. Run from the repository root with $OUT an empty folder (carry .whl for the fla baselines):
 #     OUT=/some/dir bash benchmarks/kernel_session.sh
 # Every step runs under `timeout` against one overall deadline, so a hang costs one step, not the call.
+# fla's GSA (minutes of autotuning) is a separate step, off unless CAP_GSA gives it seconds.
 set -u
 OUT=${OUT:?set OUT to an empty output folder}
 mkdir -p "$OUT"
@@ -48,9 +49,11 @@ step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernel
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \
   --variants "$VARIANTS" \
   --skip nha,sdpa,decode --out-dir "$OUT/parts"
-step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
+step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --skip fla_gsa --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
 # TVARIANTS_K narrows the variant tests (pytest -k), e.g. "config_variants and (tf32x3 or window_first)"
 step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "${TVARIANTS_K:-config_variants}"
+# fla's GSA alone (it autotunes for minutes on first use; ops.py saves after every measurement)
+step gsa "${CAP_GSA:-0}" $PY benchmarks/ops.py --skip nha,sdpa,fla_window,decode --lengths 8192,32768 --out-dir "$OUT/gsa"
 
 {
   echo; echo "# summary"
@@ -64,6 +67,7 @@ step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}"
   grep -hE "^(parts|variant)" "$OUT/parts_variants.log" 2>/dev/null || tail -15 "$OUT/parts_variants.log" 2>/dev/null
   echo "## operator benchmark"
   cat "$OUT/ops_h200.md" 2>/dev/null || tail -20 "$OUT/ops.log" 2>/dev/null
+  grep -h "^fla_gsa" "$OUT/gsa.log" 2>/dev/null
   echo "total wall $(( $(date +%s) - START ))s"
 } >> "$OUT/summary.txt"
 sed -n '/^# summary/,$p' "$OUT/summary.txt"

@@ -181,6 +181,22 @@ def test_prefill_in_two_parts_with_carried_state(window):
         assert rel(state.slot_keys, ref_state.slot_keys) <= 5e-3
 
 
+# (T, HQ, H, D, M, window, batch), bf16: a sweep of short sequences over slot counts, heads per kv head (1..8),
+# D and windows, two fresh draws each; Triton 3.6 miscompiled some narrow-tile shapes the combinations above miss
+SWEEP = [(63, 16, 2, 64, 16, 1, 1), (63, 16, 2, 64, 32, 1, 1), (63, 16, 2, 64, 64, 1, 1), (300, 16, 2, 64, 64, 65, 2),
+         (130, 8, 1, 64, 64, 3, 2), (130, 16, 2, 128, 64, 17, 2), (200, 7, 1, 64, 64, 5, 2), (200, 9, 3, 64, 64, 64, 2),
+         (130, 12, 4, 128, 128, 17, 2), (130, 4, 4, 64, 128, 1, 2), (300, 2, 1, 64, 64, 0, 2),
+         (130, 6, 2, 128, 64, 2048, 2), (400, 32, 8, 128, 64, 64, 1), (63, 9, 3, 64, 32, 1, 2),
+         (300, 9, 3, 64, 16, 65, 2), (130, 24, 8, 64, 16, 0, 2), (130, 12, 4, 128, 32, 17, 2)]
+
+
+@pytest.mark.parametrize("shape", SWEEP, ids=lambda s: "T{}_g{}-{}_D{}_M{}_w{}_b{}".format(*s))
+def test_shape_sweep_matches_float64_reference(shape):
+    T, HQ, H, D, M, window, batch = shape
+    for _ in range(2):
+        test_forward_backward_matches_float64_reference((T, HQ, H, D, M, window, torch.bfloat16, batch))
+
+
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_tf32", "bwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "save_states",
     "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys", "fwd_window_first", "tf32x3", "tf32x3_window_first",
