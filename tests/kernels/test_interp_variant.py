@@ -30,6 +30,7 @@ CASES = [
     ("defaults", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
     ("fwd_window_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),
+    ("defaults", (90, 6, 2, 64, 64, 5, 2, "float16", 1.0, "random", "left")),
 ]
 
 
