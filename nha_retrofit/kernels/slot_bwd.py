@@ -497,6 +497,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     sg, strides = _strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=1)
+    keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
     _rows_kernel[(triton.cdiv(T, bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV, BT=BT, PREC=p.prec, **common,
@@ -520,7 +521,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
         for do_k, do_v, dx in sides:
             _keys_kernel[(n, B * H, dx // bd_)](
                 p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *kstr, T, W, n,
-                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **common,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_common,
             )
             launched("slot bwd keys")
     # rows of tokens j >= T - W are read by no query: zero (the keys kernel stores j < T - W only)
@@ -531,7 +532,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     bm = min(M, CONFIG.get("keys_da_slots") or M)
     _keys_da_kernel[(n, B * H, M // bm)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
-        D=D, DV=DV, PREC=p.prec, BM=bm, **common,
+        D=D, DV=DV, PREC=p.prec, BM=bm, **keys_common,
     )
     launched("slot bwd keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
