@@ -123,6 +123,7 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
 @pytest.mark.parametrize("window,M,heads,dtype", [
     (64, 64, (32, 8), torch.bfloat16), (5, 16, (9, 3), torch.float32), (0, 32, (4, 4), torch.bfloat16),
     (None, 16, (4, 4), torch.bfloat16), (64, 64, (9, 3), torch.float16),
+    (64, 16, (9, 3), torch.bfloat16), (3, 32, (16, 2), torch.bfloat16),  # few slots, 3 and 8 heads per kv head
 ])
 def test_prefill_state_and_200_decode_steps_match_chunk_kernel(window, M, heads, dtype):
     HQ, H = heads
