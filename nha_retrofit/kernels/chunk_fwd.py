@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .chunk_scan import segmented_chunk_scan
-from .products import dot_f32, dot_xa, product_precision
+from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 CQ = 16  # query tokens per program of the fused kernel
 CS = 64  # tokens per slot-state chunk (multiple of CQ)
@@ -85,7 +85,7 @@ def _chunk_update_kernel(
     wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
     x = tl.load(X + b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :],
                 mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    upd = dot_f32(tl.trans(wgt), x, PREC)
+    upd = dot_xb(tl.trans(wgt), x, PREC)  # x: upcast inputs, exact in the split format
     base = pid_bh.to(tl.int64) * (NCH + 1) + c + 1
     tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
     if pid_d == 0:

@@ -57,7 +57,8 @@ def cases(HQ, H, D, M):
     G = HQ // H
     cs = cf.CS
     pow2 = triton.next_power_of_2
-    out = [("chunk_update", cf._chunk_update_kernel, dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC="tf32x3"), 4, 2),
+    update = dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC=cf.CONFIG["slot_precision"])
+    out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
