@@ -4,7 +4,8 @@
 # benchmark. Run from the repository root with $OUT an empty folder (carry .whl for the fla baselines):
 #     OUT=/some/dir bash benchmarks/kernel_session.sh
 # Every step runs under `timeout` against one overall deadline, so a hang costs one step, not the call.
-# fla's GSA (minutes of autotuning) is a separate step, off unless CAP_GSA gives it seconds.
+# fla's GSA (minutes of autotuning) and the model-level check are separate steps, off unless CAP_GSA / CAP_E2E
+# give them seconds.
 set -u
 OUT=${OUT:?set OUT to an empty output folder}
 mkdir -p "$OUT"
@@ -52,6 +53,8 @@ step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-
 step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --skip fla_gsa --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
 # TVARIANTS_K narrows the variant tests (pytest -k), e.g. "config_variants and (tf32x3 or window_first)"
 step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "${TVARIANTS_K:-config_variants}"
+# the model-level check (a converted Llama-3-8B-shaped model, 8K tokens: kernels against the PyTorch path)
+step e2e "${CAP_E2E:-0}" $PY benchmarks/e2e_model.py
 # fla's GSA alone (it autotunes for minutes on first use; ops.py saves after every measurement)
 step gsa "${CAP_GSA:-0}" $PY benchmarks/ops.py --skip nha,sdpa,fla_window,decode --lengths 8192,32768 --out-dir "$OUT/gsa"
 
@@ -68,6 +71,7 @@ step gsa "${CAP_GSA:-0}" $PY benchmarks/ops.py --skip nha,sdpa,fla_window,decode
   echo "## operator benchmark"
   cat "$OUT/ops_h200.md" 2>/dev/null || tail -20 "$OUT/ops.log" 2>/dev/null
   grep -h "^fla_gsa" "$OUT/gsa.log" 2>/dev/null
+  tail -25 "$OUT/e2e.log" 2>/dev/null
   echo "total wall $(( $(date +%s) - START ))s"
 } >> "$OUT/summary.txt"
 sed -n '/^# summary/,$p' "$OUT/summary.txt"
