@@ -436,15 +436,15 @@ def slot_states(x, log_alpha, mask, W, nch, initial=None, return_decay=False):
     BM, BDS = scan_tile(M, DX, 16)
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
         out[:, :, 0] = 0.0 if initial is None else s0
-        segmented_chunk_scan(out.view(B * H, nch + 1, M, DX), dec.view(B * H, nch, M), out.view(B * H, nch + 1, M, DX),
-                             nch + 1, 1, CONFIG["scan_segment"], (BM, BDS),
+        flat = out.view(B * H, nch + 1, M, DX)
+        segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
                              x0=None if initial is None else s0.view(B * H, M, DX))
         launched("segmented state_scan")
-        return (out, dec) if return_decay else out
-    _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
-        out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
-    )
-    launched("state_scan")
+    else:
+        _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
+            out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
+        )
+        launched("state_scan")
     return (out, dec) if return_decay else out
 
 

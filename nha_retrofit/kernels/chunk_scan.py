@@ -108,19 +108,20 @@ def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
             decay = decay * tl.load(DEC + (pid_bh * N + c) * M + offs_m)
 
 
-def segmented_chunk_scan(bin_, dec, out, rows, shift, segment, tile, x0=None, reverse=False):
+def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
     """The scan of `naive_chunk_scan` in segments of `segment` chunks, into `out` (may be `bin_`: in place).
 
-    bin_ / out: [BH, rows, M, X] fp32 state arrays holding chunk c at row c + shift; dec: [BH, n, M]; x0: [BH, M, X]
-    or None (zero); tile: the (slots, columns) of one program."""
+    bin_ / out: [BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states have
+    the state before chunk 0 in row 0); dec: [BH, n, M]; x0: [BH, M, X] or None (zero); tile: the (slots, columns)
+    of one program."""
     BH, n, M = dec.shape
-    X = out.shape[-1]
+    rows, X = out.shape[1], out.shape[-1]
     BM, BD = tile
     nseg = triton.cdiv(n, segment)
     end = torch.empty(BH, nseg, M, X, dtype=torch.float32, device=out.device)
     dprod = torch.empty(BH, nseg, M, dtype=torch.float32, device=out.device)
     ntile = (M // BM) * triton.cdiv(X, BD)
-    args = (dec, out, end, dprod, n, nseg, rows, shift)
+    args = (dec, out, end, dprod, n, nseg, rows, rows - n)
     meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
     _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, **meta)
     has_x0 = x0 is not None

@@ -75,7 +75,7 @@ def reverse_scan(cont, dec):
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
         flat = (B * H, n, M, X)
-        segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), n, 0, CONFIG["scan_segment"],
+        segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
                              scan_tile(M, X, 16), reverse=True)
         launched("segmented rev_scan")
         return out

@@ -31,7 +31,9 @@ def main():
     from nha_retrofit.kernels.chunk_scan import naive_chunk_scan, segmented_chunk_scan
 
     chunk_fwd.POISON = True
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
     BH, M, X = 3, 16, 40
     for n in (1, 4, 7, 33):
         dec = torch.rand(BH, n, M, generator=gen) * 0.9 + 0.05
@@ -40,9 +42,9 @@ def main():
         for segment in (1, 2, 5, 64):
             with bounds_checked():
                 state = torch.cat([torch.full((BH, 1, M, X), float("nan")), b], 1)  # chunk c at row c + 1
-                segmented_chunk_scan(state, dec, state, n + 1, 1, segment, (8, 32), x0=x0)
+                segmented_chunk_scan(state, dec, state, segment, (8, 32), x0=x0)
                 back = torch.full_like(b, float("nan"))
-                segmented_chunk_scan(b, dec, back, n, 0, segment, (8, 32), reverse=True)
+                segmented_chunk_scan(b, dec, back, segment, (8, 32), reverse=True)
             check(f"forward n={n} K={segment}", state[:, 1:], naive_chunk_scan(b, dec, x0))
             check(f"reverse n={n} K={segment}", back, naive_chunk_scan(b, dec, reverse=True))
 
