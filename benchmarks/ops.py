@@ -193,7 +193,7 @@ def parts(T=32768, w=64):
 
 
 FWD_SAME = {"bwd_tf32", "bwd_tf32x3", "window_dkv_8warps", "save_states", "slot_bwd_8warps", "slot_bwd_block16",
-            "slot_bwd_split_keys"}  # forward as the defaults: timed with fwd+bwd only
+            "slot_bwd_split_keys", "slot_bwd_block32"}  # forward as the defaults: timed with fwd+bwd only
 
 
 def variants(lengths, names, w=64):
@@ -205,9 +205,9 @@ def variants(lengths, names, w=64):
     for T in lengths:
         for name in names:
             chunk_fwd.CONFIG.clear()
-            chunk_fwd.CONFIG.update(base, **chunk_fwd.CONFIG_VARIANTS[name])
+            chunk_fwd.CONFIG.update(base, **chunk_fwd.variant_overrides(name))
             for mode in ("fwd", "fwd+bwd"):
-                if name in FWD_SAME and mode == "fwd":
+                if set(name.split("+")) <= FWD_SAME and mode == "fwd":
                     continue
                 try:
                     ms = run_nha(T, w, mode)
@@ -233,7 +233,8 @@ def main():
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
     ap.add_argument("--config", default="{}", help="JSON of chunk_fwd.CONFIG overrides for the whole run")
     ap.add_argument("--variants", default="",
-                    help="comma list of chunk_fwd.CONFIG_VARIANTS names to time side by side (or 'all')")
+                    help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side by side "
+                    "(or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]

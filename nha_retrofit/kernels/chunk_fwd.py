@@ -506,8 +506,19 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8),
     "slot_bwd_block16": dict(slot_bwd_block=16),
+    "slot_bwd_block32": dict(slot_bwd_block=32),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
 }
+
+
+def variant_overrides(name):
+    """The CONFIG overrides of a CONFIG_VARIANTS name, or of several names joined by "+" (later ones win)."""
+    overrides = {}
+    for part in name.split("+"):
+        if part not in CONFIG_VARIANTS:
+            raise KeyError(f"unknown kernel variant {part!r}; known: {', '.join(CONFIG_VARIANTS)}")
+        overrides.update(CONFIG_VARIANTS[part])
+    return overrides
 
 
 def fwd_warps(rows, dim):

@@ -53,12 +53,12 @@ def rel(a, b):
 
 
 def use_variant(name):
-    """Apply CONFIG_VARIANTS[name] to chunk_fwd.CONFIG; returns the previous CONFIG (restore with .update)."""
+    """Apply the variant `name` (chunk_fwd.variant_overrides) to chunk_fwd.CONFIG; returns the previous CONFIG (restore with .update)."""
     from nha_retrofit.kernels import chunk_fwd
 
     saved = dict(chunk_fwd.CONFIG)
     if name:
-        chunk_fwd.CONFIG.update(chunk_fwd.CONFIG_VARIANTS[name])
+        chunk_fwd.CONFIG.update(chunk_fwd.variant_overrides(name))
     return saved
 
 

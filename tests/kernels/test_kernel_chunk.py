@@ -73,8 +73,8 @@ def poison(monkeypatch):
     # synchronize after every kernel launch: an illegal memory access names its kernel (chunk_fwd.launched)
     # instead of surfacing at a later launch (v4 H200 run: reported at the window backward's launch)
     monkeypatch.setenv("NHA_KERNEL_SYNC", "1")
-    # NHA_KERNEL_VARIANT=name runs the whole file under that CONFIG variant (a candidate default)
-    for key, value in chunk_fwd.CONFIG_VARIANTS[os.environ.get("NHA_KERNEL_VARIANT", "defaults")].items():
+    # NHA_KERNEL_VARIANT=name (or name+name...) runs the whole file under that CONFIG variant (a candidate default)
+    for key, value in chunk_fwd.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")).items():
         monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
     chunk_fwd.POISON = True
     yield
@@ -204,7 +204,7 @@ def test_shape_sweep_matches_float64_reference(shape):
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_tf32", "bwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "save_states",
     "slot_bwd_8warps", "slot_bwd_block16", "slot_bwd_split_keys", "fwd_window_first", "tf32x3", "tf32x3_window_first",
-    "scan_tile_8x32", "scan_segment_16", "slot_bwd_keys_8warps")}
+    "scan_tile_8x32", "scan_segment_16", "slot_bwd_keys_8warps", "slot_bwd_block32")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
