@@ -464,7 +464,7 @@ CONFIG = {
     # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
     "slot_bwd_precision": "bf16x3",  # fp32 products of the slot backward (products.py; bf16x3 was 4.6 ms faster
     # than tf32x3 per 32K step on the H200)
-    "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 8)
+    "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
@@ -476,8 +476,8 @@ CONFIG = {
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
-    "scan_segment": None,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
-    # one sequential pass over all chunks per tile)
+    "scan_segment": 16,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
+    # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
@@ -494,20 +494,22 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
     "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
     "fwd_block8": dict(fwd_block=8),
+    "fwd_block32": dict(fwd_block=32),
     "fwd_warps4": dict(num_warps_64=4),
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
-    "scan_segment_16": dict(scan_segment=16),
+    "scan_one_pass": dict(scan_segment=None),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8),
-    "slot_bwd_block16": dict(slot_bwd_block=16),
+    "slot_bwd_block8": dict(slot_bwd_block=8),
     "slot_bwd_block32": dict(slot_bwd_block=32),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
+    "keys_da_32slots": dict(keys_da_slots=32),
 }
 
 

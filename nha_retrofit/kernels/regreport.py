@@ -88,7 +88,7 @@ def cases(HQ, H, D, M):
     return out + slot_bwd_cases(HQ, H, D, M)
 
 
-def slot_bwd_cases(HQ, H, D, M, launches=((8, 4, "bf16x3"), (8, 4, "tf32x3"), (8, 8, "bf16x3"), (16, 4, "bf16x3"))):
+def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), (16, 8, "bf16x3"), (8, 4, "bf16x3"))):
     """The slot backward kernels per (row-block tokens, warps, fp32 product precision); the first is the
     default launch."""
     G = HQ // H

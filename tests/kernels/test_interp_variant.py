@@ -25,7 +25,7 @@ CASES = [
     ("defaults", (100, 6, 2, 64, 32, 64, 2, "float32", 8.0, "random", "left")),
     ("defaults", (70, 1, 1, 128, 128, 64, 2, "float32", 1.0, "random", "left")),
     ("defaults", (90, 3, 1, 64, 64, 5, 1, "bfloat16", 1.0, "real_like", "right")),
-    ("slot_bwd_block16", (90, 4, 2, 64, 32, 3, 2, "float32", 1.0, "random", "left")),
+    ("slot_bwd_block8", (90, 4, 2, 64, 32, 3, 2, "float32", 1.0, "random", "left")),
     # decay 2: factored and direct query blocks (CONFIG["block_factor_limit"]) mixed in one run
     ("defaults", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
