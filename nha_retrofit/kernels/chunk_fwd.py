@@ -8,7 +8,7 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
 1. `_chunk_update_kernel` (every chunk in parallel: its own update, only exp(a_last - a_j) <= 1 factors,
    safe for any gate) then `_state_scan_kernel` (an elementwise scan over chunks): the fp32 slot state
    before each stream chunk of CS tokens, and the final state.
-2. `_fwd_kernel`: per (query block of CQ tokens, batch, kv head), all G query heads of the kv head as rows
+2. `_fwd_kernel`: per (query block of `fwd_block(G)` tokens, batch, kv head), all G query heads of the kv head as rows
    (row r = token r // G, head r % G), so K/V tiles are loaded once per kv head (GQA without expansion).
    It runs flash-style online softmax over the sliding window (keys max(0, t-W+1) .. t), then computes the
    M slot logits (carried chunk state + intra-chunk tokens), merges both under one softmax, reads the slot
@@ -18,7 +18,7 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
 Intra-chunk decays are factored around the start of the query block (`_block_split`): tokens of the chunk
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
-exp(a_u - a_j) s_j (a loop of CQ rank-1 updates), so no decay overflows. The slot part takes q, k and the state
+exp(a_u - a_j) s_j (a loop of rank-1 updates, one per block token), so no decay overflows. The slot part takes q, k and the state
 in 64-column passes, the row decays from a cumsum over the rows, and the value read in two column halves of the
 accumulator, so fewer [rows x 128] fp32 tiles are live at once (register spills, `regreport.py`).
 """
@@ -32,8 +32,7 @@ import triton.language as tl
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
-CQ = 16  # query tokens per program of the fused kernel
-CS = 64  # tokens per slot-state chunk (multiple of CQ)
+CS = 64  # tokens per slot-state chunk
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
 
 
@@ -452,7 +451,9 @@ CONFIG = {
     "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
     "slot_precision": "bf16x3",  # its fp32 slot products (products.py: bf16x3, tf32x3, tf32; bf16x3 was 1.3 ms
     # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
-    "fwd_block": 16,  # query tokens per program of the fused kernel (divides CS)
+    "fwd_block": None,  # query tokens per program of the fused kernel (a power of two <= CS; None: fwd_block(G))
+    "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
+    # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
     "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o, since the backward recomputes delta exactly: only the logits must match the backward's)
@@ -494,7 +495,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
     "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
     "fwd_block8": dict(fwd_block=8),
-    "fwd_block32": dict(fwd_block=32),
+    "fwd_block16": dict(fwd_block=16),
+    "fwd_rows256": dict(fwd_rows=256),
     "fwd_warps4": dict(num_warps_64=4),
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
@@ -523,6 +525,18 @@ def variant_overrides(name):
     return overrides
 
 
+def fwd_block(G):
+    """Query tokens per program of the fused kernel: CONFIG["fwd_block"], else the largest power of two <= CS whose
+    G rows per token fit CONFIG["fwd_rows"] (each program loads the chunk's [M, D] slot states and keys once, so
+    larger blocks load them less often)."""
+    if CONFIG["fwd_block"]:
+        return CONFIG["fwd_block"]
+    cq = CS
+    while cq > 1 and cq * G > CONFIG["fwd_rows"]:
+        cq //= 2
+    return cq
+
+
 def fwd_warps(rows, dim):
     """Warps of the fused kernel for a [rows x dim] tile of rows."""
     return 4 if rows * dim < 32 * 128 else CONFIG["num_warps_64"] if rows <= 64 else CONFIG["num_warps_128"]
@@ -543,7 +557,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
-    cq = CONFIG["fwd_block"]
+    cq = fwd_block(G)
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
     grid = (triton.cdiv(T, cq), B * H)

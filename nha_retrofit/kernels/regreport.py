@@ -64,8 +64,9 @@ def cases(HQ, H, D, M):
     seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
     out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
             ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2)]
-    for cq, sprec, vprec in [(16, "tf32x3", "tf32x3"), (16, "bf16x3", "bf16x3"), (16, "tf32x3", "tf32"),
-                             (16, "tf32", "tf32"), (8, "tf32x3", "tf32x3"), (8, "tf32x3", "tf32"), (8, "tf32", "tf32")]:
+    auto = cf.fwd_block(G)
+    for cq, sprec, vprec in [(auto, "tf32x3", "tf32x3"), (auto, "bf16x3", "bf16x3"), (auto, "tf32x3", "tf32"),
+                             (auto, "tf32", "tf32"), (16, "bf16x3", "bf16x3"), (8, "tf32x3", "tf32")]:
         br = max(16, pow2(cq * G))
         warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, cf.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
@@ -73,12 +74,12 @@ def cases(HQ, H, D, M):
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
                       LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
-        if cq == 16 and sprec == vprec:
+        if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
                         dict(consts, SLOTS_FIRST=True), warps, 2))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
-    br = max(16, pow2(cf.CQ * G))
-    wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cf.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
+    br = max(16, pow2(window_bwd.CQ * G))
+    wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=window_bwd.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
     wwarps = 4 if br <= 64 else 8
     out += [("window dq", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
             ("window delta", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),

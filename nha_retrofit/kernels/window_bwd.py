@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from . import chunk_fwd
-from .chunk_fwd import CQ, _query_rows, _row_stats
+from .chunk_fwd import _query_rows, _row_stats
 
 # bf16/fp16 inputs: keep p and ds in fp32 (tf32 products) instead of rounding them to the input dtype
+CQ = 16  # query tokens per program of the dq kernel
 HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
 
 
