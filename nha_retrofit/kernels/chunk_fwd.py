@@ -468,11 +468,15 @@ CONFIG = {
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
+    "slot_bwd_rows_block": None,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
+    # loads the chunk's [M, D] states, as the forward's do)
+    "slot_bwd_rows_warps": None,  # warps of its rows kernel (None: slot_bwd_warps)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report, the rows kernel stays at 4)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
+    "window_bwd_block": None,  # query tokens per block of the window backward (None: window_bwd.CQ = 16)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
@@ -506,10 +510,15 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_one_pass": dict(scan_segment=None),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
+    "window_bwd_block32": dict(window_bwd_block=32),
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8),
     "slot_bwd_block8": dict(slot_bwd_block=8),
     "slot_bwd_block32": dict(slot_bwd_block=32),
+    "slot_bwd_rows32": dict(slot_bwd_rows_block=32),
+    "slot_bwd_rows32_8warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=8),
+    "slot_bwd_rows_8warps": dict(slot_bwd_rows_warps=8),
+    "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
 }

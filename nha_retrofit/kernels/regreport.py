@@ -78,18 +78,21 @@ def cases(HQ, H, D, M):
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
                         dict(consts, SLOTS_FIRST=True), warps, 2))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
-    br = max(16, pow2(window_bwd.CQ * G))
-    wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=window_bwd.CQ, BR=br, BN=64 if br <= 64 else 32, PREC="tf32", HIGH=False)
-    wwarps = 4 if br <= 64 else 8
-    out += [("window dq", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
-            ("window delta", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
-            ("window dkv", window_bwd._dkv_kernel, wconsts, wwarps, 2),
-            ("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
+    for cq in (window_bwd.CQ, 32):
+        br = max(16, pow2(cq * G))
+        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=64 if br <= 64 else 32, PREC="tf32",
+                       HIGH=False)
+        wwarps = 4 if br <= 64 else 8
+        out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
+                (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
+                (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
+    out += [("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
                                                    PREC="tf32"), 4, 2)]
     return out + slot_bwd_cases(HQ, H, D, M)
 
 
-def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), (16, 8, "bf16x3"), (8, 4, "bf16x3"))):
+def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), (16, 8, "bf16x3"), (8, 4, "bf16x3"),
+                                                   (32, 4, "bf16x3"), (32, 8, "bf16x3"))):
     """The slot backward kernels per (row-block tokens, warps, fp32 product precision); the first is the
     default launch."""
     G = HQ // H

@@ -485,9 +485,9 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     do = do.contiguous()
     sk, sv, dec = states if states is not None else _recomputed_states(p)
     bq, warps = launch_shape()
-    assert CS % bq == 0, "slot_bwd_block must divide the chunk"
     BR = max(16, triton.next_power_of_2(bq * G))
-    BT = max(16, triton.next_power_of_2(bq))
+    rows_bq = CONFIG["slot_bwd_rows_block"] or bq  # the rows kernel's blocks are independent of the others'
+    assert CS % bq == 0 and CS % rows_bq == 0, "the slot backward's blocks must divide the chunk"
     bd_ = min(BD, D, DV)
     sprec = slot_bwd_precision(p.q.dtype, p.M)
     dq = alloc(B, T, HQ, D, dtype=p.q.dtype, device=dev)
@@ -499,9 +499,12 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=1)
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
-    _rows_kernel[(triton.cdiv(T, bq), B * H)](
+    rows_common = dict(common, CQB=rows_bq, BR=max(16, triton.next_power_of_2(rows_bq * G)),
+                       num_warps=CONFIG["slot_bwd_rows_warps"] or warps)
+    _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV, BT=BT, PREC=p.prec, **common,
+        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
+        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
     ck = alloc(B, H, n, M, D, dtype=f32, device=dev)

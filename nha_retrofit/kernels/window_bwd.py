@@ -16,8 +16,9 @@ import triton.language as tl
 from . import chunk_fwd
 from .chunk_fwd import _query_rows, _row_stats
 
+CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
+# (CONFIG["window_bwd_block"] overrides)
 # bf16/fp16 inputs: keep p and ds in fp32 (tf32 products) instead of rounding them to the input dtype
-CQ = 16  # query tokens per program of the dq kernel
 HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
 
 
@@ -129,13 +130,14 @@ def _dkv_kernel(
 def _launch(p, do, scale):
     """(strides and scalars, launch settings) shared by the window kernels."""
     G = p.G
-    BR = max(16, triton.next_power_of_2(CQ * G))
+    cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
+    BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
     args = (
         p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
         p.v.stride(0), p.v.stride(1), p.v.stride(2), do.stride(0), do.stride(1), p.T, p.W, float(scale),
     )
-    meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=CQ, BR=BR, BN=BN, PREC=p.prec,
+    meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=BN, PREC=p.prec,
                 HIGH=HIGH and p.prec != "ieee", num_warps=4 if BR <= 64 else 8, num_stages=2)
     return args, meta
 
@@ -146,8 +148,8 @@ def window_delta(p, do, lse, scale):
     if p.W > 0:
         do = do.contiguous()
         args, meta = _launch(p, do, scale)
-        _dq_kernel[(triton.cdiv(p.T, CQ), p.B * p.H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta,
-                                                       *args, DELTA_ONLY=True, **meta)
+        _dq_kernel[(triton.cdiv(p.T, meta["CQB"]), p.B * p.H)](
+            p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
         chunk_fwd.launched("window delta")
     return delta
 
@@ -162,8 +164,8 @@ def window_backward(p, do, lse, delta, scale):
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
     args, meta = _launch(p, do, scale)
     BN = meta["BN"]
-    _dq_kernel[(triton.cdiv(T, CQ), B * H)](p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args,
-                                            DELTA_ONLY=False, **meta)
+    _dq_kernel[(triton.cdiv(T, meta["CQB"]), B * H)](
+        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
     chunk_fwd.launched("window dq")
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
     _dkv_kernel[(triton.cdiv(T, BN), B * H)](
