@@ -8,6 +8,9 @@ Nsight Compute captures each kernel launch once:
     ncu --import prof.ncu-rep --page details --csv > details.csv
 
 `--kernel-times N`: GPU time per kernel over N forward + backward steps (torch.profiler), no Nsight needed.
+`--host N`: the host's share: milliseconds per step the Python side takes to enqueue a forward + backward
+(no synchronization inside; valid while the GPU keeps up, i.e. at short T) against the GPU's milliseconds per
+step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd).
 `--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 
@@ -24,12 +27,40 @@ from ops import D, HQ, nha_inputs  # noqa: E402
 from nha_retrofit.kernels import chunk_fwd, nha_attention  # noqa: E402
 
 
+def host_profile(step, n, label):
+    """Host (enqueue) time against GPU time per step, then the top of a cProfile over n steps."""
+    import cProfile
+    import pstats
+    import time
+
+    from triton.testing import do_bench
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    host_ms = (time.perf_counter() - start) * 1e3 / n
+    torch.cuda.synchronize()
+    gpu_ms = do_bench(step, warmup=5, rep=50, return_mode="median")
+    print(f"# {label}: host {host_ms:.3f} ms per step to enqueue, {gpu_ms:.3f} ms per step end to end (median)")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--config", default="{}")
     ap.add_argument("--kernel-times", type=int, default=0, metavar="N")
+    ap.add_argument("--host", type=int, default=0, metavar="N")
     args = ap.parse_args()
     chunk_fwd.CONFIG.update(json.loads(args.config))
     x = nha_inputs(args.T, True)
@@ -42,6 +73,9 @@ def main():
 
     step()
     torch.cuda.synchronize()
+    if args.host:
+        host_profile(step, args.host, f"T={args.T}, w={args.window}")
+        return
     if args.kernel_times:
         from torch.profiler import ProfilerActivity, profile
 
