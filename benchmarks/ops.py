@@ -195,7 +195,7 @@ def parts(T=32768, w=64):
 FWD_SAME = {"bwd_tf32", "bwd_tf32x3", "window_dkv_8warps", "save_states", "slot_bwd_8warps", "slot_bwd_block8",
             "slot_bwd_split_keys", "slot_bwd_block32", "keys_da_32slots",
             "window_bwd_block32", "slot_bwd_rows32", "slot_bwd_rows32_8warps", "slot_bwd_rows_8warps",
-            "slot_bwd_keys_block8"}  # forward as the defaults: timed with fwd+bwd only
+            "slot_bwd_keys_block8", "slot_bwd_columns128", "slot_bwd_columns128_8warps"}  # forward as the defaults: timed with fwd+bwd only
 
 
 def variants(lengths, names, w=64):

@@ -473,6 +473,8 @@ CONFIG = {
     "slot_bwd_rows_warps": None,  # warps of its rows kernel (None: slot_bwd_warps)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report, the rows kernel stays at 4)
+    "slot_bwd_columns": None,  # (columns, warps or None) per program of its state_grad and keys kernels (None:
+    # (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider is less of that
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
@@ -519,6 +521,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_rows32_8warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=8),
     "slot_bwd_rows_8warps": dict(slot_bwd_rows_warps=8),
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
+    "slot_bwd_columns128": dict(slot_bwd_columns=(128, None)),
+    "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
 }

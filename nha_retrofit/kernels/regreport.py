@@ -111,6 +111,15 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
                 (f"slot bwd keys_da {tag}", slot_bwd._keys_da_kernel,
                  dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
+    # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
+    bq, _, sprec = launches[0]
+    common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(128, D), SPREC=sprec,
+                  LIMIT=cf.CONFIG["block_factor_limit"])
+    for warps in (4, 8):
+        tag = f"block={bq} {sprec} columns={min(128, D)}"
+        out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
+                (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
+                 dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1)]
     return out
 
 

@@ -501,6 +501,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
     rows_common = dict(common, CQB=rows_bq, BR=max(16, triton.next_power_of_2(rows_bq * G)),
                        num_warps=CONFIG["slot_bwd_rows_warps"] or warps)
+    # the column-split kernels (state_grad, keys): each program recomputes its row blocks' [rows, CS] weights
+    cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
+    cols = min(cols, D, DV)
+    grad_common = dict(common, BD=cols, num_warps=cols_warps or warps)
+    keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
@@ -510,8 +515,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     ck = alloc(B, H, n, M, D, dtype=f32, device=dev)
     cv = alloc(B, H, n, M, DV, dtype=f32, device=dev)
     for y, wst, out, dx in ((p.q, wk, ck, D), (do, wv, cv, DV)):
-        _state_grad_kernel[(n, B * H, dx // bd_)](
-            y, wst, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), *sg, T, W, n, DX=dx, **common,
+        _state_grad_kernel[(n, B * H, dx // cols)](
+            y, wst, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), *sg, T, W, n, DX=dx, **grad_common,
         )
         launched("slot bwd state_grad")
     rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
@@ -523,9 +528,9 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
         merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
         sides = [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]
         for do_k, do_v, dx in sides:
-            _keys_kernel[(n, B * H, dx // bd_)](
+            _keys_kernel[(n, B * H, dx // cols)](
                 p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *kstr, T, W, n,
-                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_common,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
             )
             launched("slot bwd keys")
     # rows of tokens j >= T - W are read by no query: zero (the keys kernel stores j < T - W only)
