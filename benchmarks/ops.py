@@ -192,12 +192,6 @@ def parts(T=32768, w=64):
     return out
 
 
-FWD_SAME = {"bwd_tf32", "bwd_tf32x3", "window_dkv_8warps", "save_states", "slot_bwd_8warps", "slot_bwd_block8",
-            "slot_bwd_split_keys", "slot_bwd_block32", "keys_da_32slots",
-            "window_bwd_block32", "slot_bwd_rows32", "slot_bwd_rows32_8warps", "slot_bwd_rows_8warps",
-            "slot_bwd_keys_block8", "slot_bwd_columns128", "slot_bwd_columns128_8warps"}  # forward as the defaults: timed with fwd+bwd only
-
-
 def variants(lengths, names, w=64):
     """Time each CONFIG variant (forward and forward+backward) side by side; returns records."""
     from nha_retrofit.kernels import chunk_fwd
@@ -206,11 +200,12 @@ def variants(lengths, names, w=64):
     records = []
     for T in lengths:
         for name in names:
+            overrides = chunk_fwd.variant_overrides(name)
             chunk_fwd.CONFIG.clear()
-            chunk_fwd.CONFIG.update(base, **chunk_fwd.variant_overrides(name))
+            chunk_fwd.CONFIG.update(base, **overrides)
             for mode in ("fwd", "fwd+bwd"):
-                if set(name.split("+")) <= FWD_SAME and mode == "fwd":
-                    continue
+                if mode == "fwd" and overrides and not set(overrides) & chunk_fwd.FORWARD_KEYS:
+                    continue  # the forward is the defaults': timed with forward+backward only
                 try:
                     ms = run_nha(T, w, mode)
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
@@ -235,8 +230,8 @@ def main():
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
     ap.add_argument("--config", default="{}", help="JSON of chunk_fwd.CONFIG overrides for the whole run")
     ap.add_argument("--variants", default="",
-                    help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side by side "
-                    "(or 'all')")
+                    help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side "
+                    "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -18,9 +18,10 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
 Intra-chunk decays are factored around the start of the query block (`_block_split`): tokens of the chunk
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
-exp(a_u - a_j) s_j (a loop of rank-1 updates, one per block token), so no decay overflows. The slot part takes q, k and the state
-in 64-column passes, the row decays from a cumsum over the rows, and the value read in two column halves of the
-accumulator, so fewer [rows x 128] fp32 tiles are live at once (register spills, `regreport.py`).
+exp(a_u - a_j) s_j (a loop of rank-1 updates, one per block token), so no decay overflows. The slot part takes
+q, k and the state in 64-column passes, the row decays from a cumsum over the rows, and the value read in two
+column halves of the accumulator, so fewer [rows x 128] fp32 tiles are live at once (register spills,
+`regreport.py`).
 """
 
 import os
@@ -479,6 +480,7 @@ CONFIG = {
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
     "window_bwd_block": None,  # query tokens per block of the window backward (None: window_bwd.CQ = 16)
+    "window_dkv_block": None,  # ... of its dkv kernel alone (None: window_bwd_block; at 32 its smem is 137 KB)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
@@ -489,6 +491,11 @@ CONFIG = {
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
     # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
+}
+
+FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
+    "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows", "fwd_slots_first",
+    "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -513,6 +520,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32),
+    "window_dq_block32": dict(window_bwd_block=32, window_dkv_block=16),
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8),
     "slot_bwd_block8": dict(slot_bwd_block=8),

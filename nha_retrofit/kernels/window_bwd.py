@@ -127,10 +127,9 @@ def _dkv_kernel(
     tl.store(DV_ + vrow[:, None] + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=jin[:, None])
 
 
-def _launch(p, do, scale):
-    """(strides and scalars, launch settings) shared by the window kernels."""
+def _launch(p, do, scale, cq):
+    """(strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens."""
     G = p.G
-    cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
     args = (
@@ -147,7 +146,7 @@ def window_delta(p, do, lse, scale):
     delta = torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
     if p.W > 0:
         do = do.contiguous()
-        args, meta = _launch(p, do, scale)
+        args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
         _dq_kernel[(triton.cdiv(p.T, meta["CQB"]), p.B * p.H)](
             p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
         chunk_fwd.launched("window delta")
@@ -162,13 +161,14 @@ def window_backward(p, do, lse, delta, scale):
     dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=p.q_rope.dtype, device=do.device)
     dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
-    args, meta = _launch(p, do, scale)
-    BN = meta["BN"]
-    _dq_kernel[(triton.cdiv(T, meta["CQB"]), B * H)](
+    cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
+    args, meta = _launch(p, do, scale, cq)
+    _dq_kernel[(triton.cdiv(T, cq), B * H)](
         p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
     chunk_fwd.launched("window dq")
+    _, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_dkv_block"] or cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
-    _dkv_kernel[(triton.cdiv(T, BN), B * H)](
+    _dkv_kernel[(triton.cdiv(T, meta["BN"]), B * H)](
         p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta
     )
     chunk_fwd.launched("window dkv")

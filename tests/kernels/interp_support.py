@@ -53,7 +53,8 @@ def rel(a, b):
 
 
 def use_variant(name):
-    """Apply the variant `name` (chunk_fwd.variant_overrides) to chunk_fwd.CONFIG; returns the previous CONFIG (restore with .update)."""
+    """Apply the variant `name` (chunk_fwd.variant_overrides) to chunk_fwd.CONFIG; returns the previous CONFIG
+    (restore with .update)."""
     from nha_retrofit.kernels import chunk_fwd
 
     saved = dict(chunk_fwd.CONFIG)
