@@ -177,7 +177,7 @@ def parts(T=32768, w=64):
     out = {}
     out["prepare"] = bench(lambda: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],
                                                       x["log_alpha"], w, None, x["slot_bias"]))
-    out["slot_states(k)"] = bench(lambda: chunk_fwd.slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch))
+    out["slot_states(k)"] = bench(lambda: chunk_fwd.slot_states((p.k,), p.log_alpha, p.mask, p.W, p.nch))
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
     out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
     o, lse, _ = chunk_fwd.forward(p, D**-0.5, True)

@@ -58,16 +58,20 @@ def alloc(*shape, dtype, device):
 
 @triton.jit
 def _chunk_update_kernel(
-    X, G, MASK, U, DEC,
+    X, X2, G, MASK, U, DEC,
     sx_b, sx_t, sx_h, sg_b, sg_t, sg_h,
     T, W, NCH,
     H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last)."""
+    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last).
+    Program axis 2 runs over the column blocks of X, then (if it is twice as long) of X2, an input of the same
+    layout whose states follow X's in U (the key and the value states in one launch)."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    pid_d = tl.program_id(2)
+    NDB: tl.constexpr = (DX + BD - 1) // BD
+    stream = tl.program_id(2) // NDB
+    pid_d = tl.program_id(2) % NDB
     b = pid_bh // H
     h = pid_bh % H
     offs_d = pid_d * BD + tl.arange(0, BD)
@@ -83,19 +87,23 @@ def _chunk_update_kernel(
     a = tl.cumsum(g, axis=0)
     a_last = tl.sum(g, axis=0)
     wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
-    x = tl.load(X + b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :],
-                mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    x_off = b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :]
+    if stream == 0:
+        x = tl.load(X + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    else:
+        x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     upd = dot_xb(tl.trans(wgt), x, PREC)  # x: upcast inputs, exact in the split format
-    base = pid_bh.to(tl.int64) * (NCH + 1) + c + 1
+    base = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * (NCH + 1) + c + 1
     tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
-    if pid_d == 0:
+    if tl.program_id(2) == 0:
         tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, tl.exp(a_last))
 
 
 @triton.jit
-def _state_scan_kernel(S, DEC, S0, NCH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                       HAS_S0: tl.constexpr):
-    """In place over S [BH, NCH + 1, M, DX] holding the chunk updates at 1..NCH: S[c+1] = DEC[c] * S[c] + U[c+1]."""
+def _state_scan_kernel(S, DEC, S0, NCH, NBH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr,
+                       BD: tl.constexpr, HAS_S0: tl.constexpr):
+    """In place over S [rows, NCH + 1, M, DX] holding the chunk updates at 1..NCH: S[c+1] = DEC[c] * S[c] + U[c+1]
+    (row r with the decays DEC[r % NBH]: the key and the value states in one launch)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     NDB: tl.constexpr = (DX + BD - 1) // BD
@@ -111,7 +119,7 @@ def _state_scan_kernel(S, DEC, S0, NCH, M: tl.constexpr, DX: tl.constexpr, BM: t
     tl.store(S + base * M * DX + tile, state, mask=dmask[None, :])
     for c in range(NCH):
         upd = tl.load(S + (base + c + 1) * M * DX + tile, mask=dmask[None, :], other=0.0)
-        dec = tl.load(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m)
+        dec = tl.load(DEC + ((pid_bh % NBH).to(tl.int64) * NCH + c) * M + offs_m)
         state = dec[:, None] * state + upd
         tl.store(S + (base + c + 1) * M * DX + tile, state, mask=dmask[None, :])
 
@@ -403,9 +411,8 @@ class Prepared:
         has_real = self.mask.bool().any(1)
         first = self.mask.to(torch.int8).argmax(1).to(torch.int32)
         self.first = torch.where(has_real, first, torch.full_like(first, 2**30)).contiguous()
-        self.bias = (
-            torch.zeros(self.HQ, dtype=torch.float32, device=dev) if slot_bias is None else slot_bias.float().contiguous()
-        )
+        self.bias = (torch.zeros(self.HQ, dtype=torch.float32, device=dev) if slot_bias is None
+                     else slot_bias.float().contiguous())
         self.prec = dot_precision(q.dtype)
         self.nch = triton.cdiv(self.T, CS)
 
@@ -417,17 +424,21 @@ def scan_tile(M, DX, rows):
     return min(M, bm), min(bd, triton.next_power_of_2(DX))
 
 
-def slot_states(x, log_alpha, mask, W, nch, initial=None, return_decay=False):
-    """Slot state before each stream chunk of CS tokens, and the final one: [B, H, nch + 1, M, DX] fp32.
+def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False):
+    """Slot states before each stream chunk of CS tokens, and the final ones, of the S inputs `xs` ([B, T, H, DX]
+    each, one layout: S = 2 runs the key and the value states in one set of launches): [S, B, H, nch + 1, M, DX]
+    fp32, from `initial` [S, B, H, M, DX] (or zero), and with `return_decay` the chunk decays [B, H, nch, M].
 
-    Two launches: every chunk's own update in parallel, then a short elementwise scan over chunks."""
+    Two steps: every chunk's own update in parallel, then a short elementwise scan over chunks."""
+    x = xs[0]
     B, T, H, DX = x.shape
-    M = log_alpha.shape[-1]
-    out = alloc(B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
+    S, M = len(xs), log_alpha.shape[-1]
+    assert all(y.shape == x.shape and y.dtype == x.dtype and y.stride() == x.stride() for y in xs)
+    out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
     BD = min(64, triton.next_power_of_2(DX))
-    _chunk_update_kernel[(nch, B * H, triton.cdiv(DX, BD))](
-        x, log_alpha, mask, out, dec,
+    _chunk_update_kernel[(nch, B * H, S * triton.cdiv(DX, BD))](
+        x, xs[-1], log_alpha, mask, out, dec,
         x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
         T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(x.dtype), num_warps=4,
     )
@@ -435,17 +446,32 @@ def slot_states(x, log_alpha, mask, W, nch, initial=None, return_decay=False):
     s0 = initial.contiguous().float() if initial is not None else out
     BM, BDS = scan_tile(M, DX, 16)
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
-        out[:, :, 0] = 0.0 if initial is None else s0
-        flat = out.view(B * H, nch + 1, M, DX)
+        out[:, :, :, 0] = 0.0 if initial is None else s0
+        flat = out.view(S * B * H, nch + 1, M, DX)
         segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
-                             x0=None if initial is None else s0.view(B * H, M, DX))
+                             x0=None if initial is None else s0.view(S * B * H, M, DX))
         launched("segmented state_scan")
     else:
-        _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), B * H)](
-            out, dec, s0, nch, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4, num_stages=3,
+        _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), S * B * H)](
+            out, dec, s0, nch, B * H, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4,
+            num_stages=3,
         )
         launched("state_scan")
     return (out, dec) if return_decay else out
+
+
+def kv_states(p, initial_keys=None, initial_values=None):
+    """(Sk, Sv, dec): the key and value slot states of `slot_states` ([B, H, nch + 1, M, D] and [..., DV]) and the
+    chunk decays; one set of launches for both when k and v share a layout (CONFIG["merge_kv_states"])."""
+    carried = initial_keys is not None
+    if CONFIG["merge_kv_states"] and p.k.shape == p.v.shape and p.k.dtype == p.v.dtype and p.k.stride() == p.v.stride():
+        initial = torch.stack([initial_keys, initial_values]) if carried else None
+        states, dec = slot_states((p.k, p.v), p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True)
+        return states[0], states[1], dec
+    sk, dec = slot_states((p.k,), p.log_alpha, p.mask, p.W, p.nch, initial_keys[None] if carried else None,
+                          return_decay=True)
+    sv = slot_states((p.v,), p.log_alpha, p.mask, p.W, p.nch, initial_values[None] if carried else None)
+    return sk[0], sv[0], dec
 
 
 CONFIG = {
@@ -487,6 +513,7 @@ CONFIG = {
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
     "scan_segment": 16,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
+    "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
@@ -495,7 +522,7 @@ CONFIG = {
 
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows", "fwd_slots_first",
-    "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
+    "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment", "merge_kv_states",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -514,6 +541,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
+    "separate_kv_states": dict(merge_kv_states=False),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
@@ -574,8 +602,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     if filled0 is None:
         filled0 = torch.zeros(B, dtype=torch.int32, device=dev)
     if has_slots:
-        sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, initial_keys, return_decay=True)
-        sv = slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch, initial_values)
+        sk, sv, dec = kv_states(p, initial_keys, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     cq = fwd_block(G)

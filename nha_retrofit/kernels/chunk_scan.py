@@ -7,6 +7,8 @@ however many programs run). With `segment` = K the chain is cut into segments of
 from zero in parallel (`_segment_scan_kernel`), then each segment adds the carry from the segments before it,
 decayed to each of its chunks (`_segment_fixup_kernel`): about K + n / K dependent steps instead of n, for
 twice the memory traffic. `naive_chunk_scan` is the plain PyTorch definition both forms are tested against.
+Several state arrays that share their decays (the key and the value states) scan in one launch: program axis 1
+runs over all their rows, row r taking the decays of row r % NBH.
 """
 
 import torch
@@ -50,7 +52,7 @@ def _chunk(i, N, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
+def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
                          M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
                          REVERSE: tl.constexpr):
     """Per (tile, batch x head, segment s): the scan of steps s*K .. s*K+K-1 from zero into OUT (chunk c of a
@@ -59,6 +61,7 @@ def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
     offs_m, dmask, tile, first_tile = _tile(M, DX, BM, BD)
     pid_bh = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
+    dec_bh = pid_bh % NBH
     x = tl.zeros([BM, BD], dtype=tl.float32)
     prod = tl.full([BM], 1.0, dtype=tl.float32)
     for i in range(s * K, tl.minimum(s * K + K, N)):
@@ -66,7 +69,7 @@ def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
         row = (pid_bh * ROWS + c + SHIFT) * M * DX
         if REVERSE:  # exclusive: the state after chunk c is what the later chunks sent back
             tl.store(OUT + row + tile, x, mask=dmask[None, :])
-        dec = tl.load(DEC + (pid_bh * N + c) * M + offs_m)
+        dec = tl.load(DEC + (dec_bh * N + c) * M + offs_m)
         x = dec[:, None] * x + tl.load(BIN + row + tile, mask=dmask[None, :], other=0.0)
         prod = prod * dec
         if not REVERSE:
@@ -78,7 +81,7 @@ def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
 
 
 @triton.jit
-def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
+def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
                           M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
                           REVERSE: tl.constexpr, HAS_X0: tl.constexpr):
     """Per (tile, batch x head, segment s): the carry into segment s (x0 through the earlier segments' decay
@@ -96,32 +99,33 @@ def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT,
         seg = pid_bh * NSEG + p
         dprod = tl.load(DPROD + seg * M + offs_m)
         carry = dprod[:, None] * carry + tl.load(END + seg * M * DX + tile, mask=dmask[None, :], other=0.0)
+    dec_bh = pid_bh % NBH
     decay = tl.full([BM], 1.0, dtype=tl.float32)
     for i in range(s * K, tl.minimum(s * K + K, N)):
         c = _chunk(i, N, REVERSE)
         row = (pid_bh * ROWS + c + SHIFT) * M * DX
         if not REVERSE:
-            decay = decay * tl.load(DEC + (pid_bh * N + c) * M + offs_m)
+            decay = decay * tl.load(DEC + (dec_bh * N + c) * M + offs_m)
         out = tl.load(OUT + row + tile, mask=dmask[None, :], other=0.0)
         tl.store(OUT + row + tile, out + decay[:, None] * carry, mask=dmask[None, :])
         if REVERSE:
-            decay = decay * tl.load(DEC + (pid_bh * N + c) * M + offs_m)
+            decay = decay * tl.load(DEC + (dec_bh * N + c) * M + offs_m)
 
 
 def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
     """The scan of `naive_chunk_scan` in segments of `segment` chunks, into `out` (may be `bin_`: in place).
 
-    bin_ / out: [BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states have
-    the state before chunk 0 in row 0); dec: [BH, n, M]; x0: [BH, M, X] or None (zero); tile: the (slots, columns)
-    of one program."""
-    BH, n, M = dec.shape
-    rows, X = out.shape[1], out.shape[-1]
+    bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
+    have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
+    tile: the (slots, columns) of one program."""
+    nbh, n, M = dec.shape
+    BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
     nseg = triton.cdiv(n, segment)
     end = torch.empty(BH, nseg, M, X, dtype=torch.float32, device=out.device)
     dprod = torch.empty(BH, nseg, M, dtype=torch.float32, device=out.device)
     ntile = (M // BM) * triton.cdiv(X, BD)
-    args = (dec, out, end, dprod, n, nseg, rows, rows - n)
+    args = (dec, out, end, dprod, n, nseg, rows, rows - n, nbh)
     meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
     _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, **meta)
     has_x0 = x0 is not None

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _chunk_products, _query_rows, _row_decay,
-                        _row_stats, alloc, launched, scan_tile, slot_states)
+                        _row_stats, alloc, kv_states, launched, scan_tile)
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
@@ -50,8 +50,10 @@ BQ = 16  # query tokens per row block (CONFIG["slot_bwd_block"] overrides; 16 wa
 
 
 @triton.jit
-def _rev_scan_kernel(CONT, DEC, R, NCH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """R[c] = sum_{c' > c} (prod_{c < c'' < c'} dec[c'']) * cont[c']: gradient w.r.t. the state after chunk c."""
+def _rev_scan_kernel(CONT, DEC, R, NCH, NBH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr,
+                     BD: tl.constexpr):
+    """R[c] = sum_{c' > c} (prod_{c < c'' < c'} dec[c'']) * cont[c']: gradient w.r.t. the state after chunk c
+    (row r of CONT with the decays of row r % NBH of DEC)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     NDB: tl.constexpr = (DX + BD - 1) // BD
@@ -60,29 +62,33 @@ def _rev_scan_kernel(CONT, DEC, R, NCH, M: tl.constexpr, DX: tl.constexpr, BM: t
     dmask = offs_d < DX
     tile = offs_m[:, None] * DX + offs_d[None, :]
     base = pid_bh.to(tl.int64) * NCH
+    dec_base = (pid_bh % NBH).to(tl.int64) * NCH
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     for i in range(NCH):
         c = NCH - 1 - i
         tl.store(R + (base + c) * M * DX + tile, acc, mask=dmask[None, :])
-        dec = tl.load(DEC + (base + c) * M + offs_m)
+        dec = tl.load(DEC + (dec_base + c) * M + offs_m)
         cont = tl.load(CONT + (base + c) * M * DX + tile, mask=dmask[None, :], other=0.0)
         acc = dec[:, None] * acc + cont
 
 
 def reverse_scan(cont, dec):
-    """cont [B, H, n, M, X], dec [B, H, n, M] -> R [B, H, n, M, X] (see the kernel)."""
-    B, H, n, M, X = cont.shape
+    """cont [..., B, H, n, M, X] (several state gradients sharing dec), dec [B, H, n, M] -> R of cont's shape (see
+    the kernel)."""
+    B, H, n, M = dec.shape
+    X = cont.shape[-1]
+    rows = cont.numel() // (n * M * X)
     cont, dec = cont.contiguous(), dec.contiguous()
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
-        flat = (B * H, n, M, X)
+        flat = (rows, n, M, X)
         segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
                              scan_tile(M, X, 16), reverse=True)
         launched("segmented rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)
-    _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), B * H)](cont, dec, out, n, M=M, DX=X, BM=BM, BD=BD,
-                                                              num_warps=4, num_stages=3)
+    _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), rows)](cont, dec, out, n, B * H, M=M, DX=X, BM=BM, BD=BD,
+                                                             num_warps=4, num_stages=3)
     launched("rev_scan")
     return out
 
@@ -378,12 +384,6 @@ def slot_bwd_precision(dtype, slots):
     return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
 
 
-def _recomputed_states(p):
-    """(Sk, Sv, per-chunk decay) before each chunk, when the forward did not keep them."""
-    sk, dec = slot_states(p.k, p.log_alpha, p.mask, p.W, p.nch, return_decay=True)
-    return sk, slot_states(p.v, p.log_alpha, p.mask, p.W, p.nch), dec
-
-
 def _strides(p, do):
     """The gate strides and the (q, k, v, gates, dO) strides that the rows and keys_da kernels take."""
     sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
@@ -483,7 +483,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    sk, sv, dec = states if states is not None else _recomputed_states(p)
+    sk, sv, dec = states if states is not None else kv_states(p)  # recomputed when the forward did not keep them
     bq, warps = launch_shape()
     BR = max(16, triton.next_power_of_2(bq * G))
     rows_bq = CONFIG["slot_bwd_rows_block"] or bq  # the rows kernel's blocks are independent of the others'
@@ -512,14 +512,17 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
         BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
-    ck = alloc(B, H, n, M, D, dtype=f32, device=dev)
-    cv = alloc(B, H, n, M, DV, dtype=f32, device=dev)
+    # the key and value state gradients in one array (one reverse scan for both) when they have one shape
+    both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
+    ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
+                                                      alloc(B, H, n, M, DV, dtype=f32, device=dev))
     for y, wst, out, dx in ((p.q, wk, ck, D), (do, wv, cv, DV)):
         _state_grad_kernel[(n, B * H, dx // cols)](
             y, wst, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), *sg, T, W, n, DX=dx, **grad_common,
         )
         launched("slot bwd state_grad")
-    rk, rv = reverse_scan(ck, dec), reverse_scan(cv, dec)
+    rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
+                                                                         reverse_scan(cv, dec))
     dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
     dv = alloc(B, T, H, DV, dtype=f32, device=dev)
     if T > W:

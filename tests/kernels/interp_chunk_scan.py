@@ -1,5 +1,6 @@
 """The two-level chunk scans (`chunk_scan.py`) under the Triton CPU interpreter and its out-of-bounds checker,
-against `naive_chunk_scan` and against the one-pass scan kernels they replace (`slot_states`, `reverse_scan`).
+against `naive_chunk_scan` and against the one-pass scan kernels they replace (`slot_states`, `reverse_scan`),
+each for one state array and for two sharing their decays (the key and the value states in one launch).
 
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks; a state tile
 narrower than the state (columns not a multiple of the tile: masked) and several slot blocks; forward scans in
@@ -48,28 +49,37 @@ def main():
             check(f"forward n={n} K={segment}", state[:, 1:], naive_chunk_scan(b, dec, x0))
             check(f"reverse n={n} K={segment}", back, naive_chunk_scan(b, dec, reverse=True))
 
-    # the wiring in slot_states / reverse_scan against the one-pass kernels (scan_segment None)
+    # the wiring in slot_states / reverse_scan against the one-pass kernels (scan_segment None), for one input and
+    # for two in one launch set (each half against the single-input result)
     B, T, H, D, W = 2, 300, 2, 64, 5
     nch = -(-T // chunk_fwd.CS)
-    x = torch.randn(B, T, H, D, generator=gen)
+    xs = (torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen))
     log_alpha = -torch.rand(B, T, H, M, generator=gen) * 0.03  # chunk decays ~0.4: carries matter
     mask = torch.ones(B, T, dtype=torch.int32)
     mask[1, :37] = 0
-    initial = torch.randn(B, H, M, D, generator=gen)
-    cont = torch.randn(B, H, nch, M, D, generator=gen)
+    initial = torch.randn(2, B, H, M, D, generator=gen)
+    cont = torch.randn(2, B, H, nch, M, D, generator=gen)
     dec = torch.rand(B, H, nch, M, generator=gen)
     want = {}
     for segment in (None, 1, 2, 3):
         chunk_fwd.CONFIG["scan_segment"] = segment
         with bounds_checked():
-            got = (chunk_fwd.slot_states(x, log_alpha, mask, W, nch),
-                   chunk_fwd.slot_states(x, log_alpha, mask, W, nch, initial),
-                   slot_bwd.reverse_scan(cont, dec))
+            got, pairs = {}, {}
+            for s in (0, 1):
+                got["slot_states", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch)[0]
+                got["slot_states from a state", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch,
+                                                                           initial[s:s + 1])[0]
+                got["reverse_scan", s] = slot_bwd.reverse_scan(cont[s], dec)
+            pairs["slot_states"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch)
+            pairs["slot_states from a state"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, initial)
+            pairs["reverse_scan"] = slot_bwd.reverse_scan(cont, dec)
+        for (what, s), single in got.items():
+            check(f"two at once: {what} [{s}] K={segment}", pairs[what][s], single, tol=1e-6)
         if segment is None:
             want = got
             continue
-        for what, g, w in zip(("slot_states", "slot_states from a state", "reverse_scan"), got, want):
-            check(f"{what} K={segment}", g, w)
+        for key in got:
+            check(f"{key[0]} [{key[1]}] K={segment}", got[key], want[key])
     print("OK")
 
 
