@@ -5,9 +5,10 @@ tokens j = 0 .. u - W (W = window), plus the window keys u - W + 1 .. u, under o
 j = u' - W, the slot part is an inclusive gated-slot read over a "shifted" stream u' (token u' - W), so the
 chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c * CS - W.
 
-1. `_chunk_update_kernel` (every chunk in parallel: its own update, only exp(a_last - a_j) <= 1 factors,
-   safe for any gate) then `_state_scan_kernel` (an elementwise scan over chunks): the fp32 slot state
-   before each stream chunk of CS tokens, and the final state.
+1. `kv_states`: `_chunk_update_kernel` (every chunk in parallel: its own update, only exp(a_last - a_j) <= 1
+   factors, safe for any gate) then a scan over chunks (`chunk_scan.py`'s two-level scan, or the one-pass
+   `_state_scan_kernel`): the fp32 slot states before each stream chunk of CS tokens, and the final state; the
+   key and the value states in one set of launches.
 2. `_fwd_kernel`: per (query block of `fwd_block(G)` tokens, batch, kv head), all G query heads of the kv head as rows
    (row r = token r // G, head r % G), so K/V tiles are loaded once per kv head (GQA without expansion).
    It runs flash-style online softmax over the sliding window (keys max(0, t-W+1) .. t), then computes the
