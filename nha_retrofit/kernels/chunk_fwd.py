@@ -405,13 +405,14 @@ class Prepared:
         self.log_alpha = log_alpha.contiguous()
         self.W = self.T if window is None else int(window)
         dev = q.device
-        if attention_mask is None:
+        if attention_mask is None:  # every token real: the first real one is 0 (two launches, not eight)
             self.mask = torch.ones(self.B, self.T, dtype=torch.int32, device=dev)
+            self.first = torch.zeros(self.B, dtype=torch.int32, device=dev)
         else:
             self.mask = attention_mask[:, -self.T:].to(torch.int32).contiguous()
-        has_real = self.mask.bool().any(1)
-        first = self.mask.to(torch.int8).argmax(1).to(torch.int32)
-        self.first = torch.where(has_real, first, torch.full_like(first, 2**30)).contiguous()
+            has_real = self.mask.bool().any(1)
+            first = self.mask.to(torch.int8).argmax(1).to(torch.int32)
+            self.first = torch.where(has_real, first, torch.full_like(first, 2**30)).contiguous()
         self.bias = (torch.zeros(self.HQ, dtype=torch.float32, device=dev) if slot_bias is None
                      else slot_bias.float().contiguous())
         self.prec = dot_precision(q.dtype)

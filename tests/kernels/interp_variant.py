@@ -8,7 +8,7 @@ nearest, TF32 / 3xTF32 products as the GPU forms them, addresses still checked).
 (the same level; the variants differ only in rounding points) and <= 5e-3 (the GPU suite's tolerance).
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_variant.py VARIANT T HQ H D M WINDOW BATCH
-       [float32|bfloat16] [decay] [random|real_like] [left|right]
+       [float32|bfloat16] [decay] [random|real_like] [left|right|none]   (none: no attention mask)
 Prints one ERRORS line per run; exit status 1 when the variant is off.
 """
 
@@ -66,7 +66,7 @@ def check(variant, T, HQ, H, D, M, window, batch, dtype=torch.float32, decay=1.0
     from nha_oracle import padding_mask
 
     x, scale, d_o = inputs_for(T, HQ, H, D, M, batch, dtype, decay, kind, seed)
-    mask = padding_mask(batch, T, side)
+    mask = None if side == "none" else padding_mask(batch, T, side)
     ref, ref_grads = reference_grad(x, window, scale, mask, d_o)
     out, grads = kernels(variant, x, scale, d_o, window, mask)
     errs, finite = errors_of(out, grads, ref, ref_grads, window)
