@@ -143,13 +143,14 @@ def _launch(p, do, scale, cq):
 
 def window_delta(p, do, lse, scale):
     """The window share of delta = sum P * dP per row: [B, T, HQ] fp32 (0 without a window)."""
-    delta = torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
-    if p.W > 0:
-        do = do.contiguous()
-        args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
-        _dq_kernel[(triton.cdiv(p.T, meta["CQB"]), p.B * p.H)](
-            p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
-        chunk_fwd.launched("window delta")
+    if p.W == 0:
+        return torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
+    delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
+    do = do.contiguous()
+    args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
+    _dq_kernel[(triton.cdiv(p.T, meta["CQB"]), p.B * p.H)](
+        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
+    chunk_fwd.launched("window delta")
     return delta
 
 
