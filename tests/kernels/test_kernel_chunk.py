@@ -81,21 +81,21 @@ def poison(monkeypatch):
     chunk_fwd.POISON = False
 
 
-def cuda_inputs(T, HQ, H, D, M, dtype, batch, decay=1.0, real_like=False):
+def cuda_inputs(T, HQ, H, D, M, dtype, batch, decay=1.0, real_like=False, value_dim=None):
     if real_like:  # statistics of a converted model's operator inputs (real_like.py)
         inputs = real_like_inputs(batch, T, HQ, H, D, M)
     else:
-        inputs = make_inputs(batch, T, HQ, H, D, M, dtype=torch.float32, decay=decay)
+        inputs = make_inputs(batch, T, HQ, H, D, M, dtype=torch.float32, decay=decay, value_dim=value_dim)
     out = {n: inputs[n].cuda() for n in NAMES}
     out["scale"] = inputs["scale"]
-    out["dO"] = torch.randn(batch, T, HQ, D, device="cuda").to(dtype)
+    out["dO"] = torch.randn(batch, T, HQ, inputs["v"].shape[-1], device="cuda").to(dtype)
     return out
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:]))
-def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=False):
+def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=False, value_dim=None):
     T, HQ, H, D, M, window, dtype, batch = combo
-    inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch, decay, real_like)
+    inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch, decay, real_like, value_dim)
     mask = padding_mask(batch, T, "left").cuda()
     x = {n: inputs[n].to(dtype).detach().requires_grad_(True) for n in NAMES}
     out = nha_attention(*[x[n] for n in NAMES[:6]], window, inputs["scale"], mask, x["slot_bias"])
@@ -118,6 +118,13 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
     changed = {k: v for k, v in chunk_fwd.CONFIG.items() if DEFAULTS.get(k) != v}
     print(f"\nERRORS {combo} {changed or 'defaults'}: {summary}")
     assert not bad, f"tolerance {tol}: {summary}"
+
+
+@pytest.mark.parametrize("D,DV", [(64, 128), (128, 64)])
+def test_value_dim_other_than_head_dim(D, DV):
+    """Values narrower or wider than the keys: the key and value states in separate launch sets, dk and dv in
+    separate key programs."""
+    test_forward_backward_matches_float64_reference((300, 8, 2, D, 64, 40, torch.bfloat16, 2), value_dim=DV)
 
 
 @pytest.mark.parametrize("window,M,heads,dtype", [
