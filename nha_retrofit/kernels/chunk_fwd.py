@@ -540,6 +540,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_block16": dict(fwd_block=16),
     "fwd_rows256": dict(fwd_rows=256),
     "fwd_warps4": dict(num_warps_64=4),
+    "fwd_stages3": dict(num_stages=3),
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
