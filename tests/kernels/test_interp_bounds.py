@@ -30,3 +30,7 @@ def test_training_kernels_stay_in_bounds_under_interpreter(shape):
 
 def test_two_level_chunk_scans_match_under_interpreter():
     run_interp_script("interp_chunk_scan.py", expect="OK")
+
+
+def test_prefill_with_carried_state_matches_under_interpreter():
+    run_interp_script("interp_carried_state.py", expect="OK")
