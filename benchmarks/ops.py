@@ -1,7 +1,8 @@
 """Operator benchmark on one GPU: the NHA Triton kernel against SDPA causal, fla windowed attention and fla GSA.
 
 Llama-3-8B attention shapes (HQ=32, H=8, D=128), batch 1, bf16, M=64; T = 2K..64K; forward and forward+backward
-medians through triton.testing.do_bench; plus the decode step for 28 layers (eager and CUDA-graph replay) and
+medians through triton.testing.do_bench (NHA also replayed from a CUDA graph, `nha_graph`: the GPU's time without
+the host's launches); plus the decode step for 28 layers (eager and CUDA-graph replay) and
 the bytes / FLOP floors. Writes benchmarks/results/ops_h200.json (records {impl, T, window, mode, ms}) and
 benchmarks/results/ops_h200.md.
 
@@ -55,20 +56,32 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run_nha(T, w, mode):
+def graph_replay_ms(step):
+    """Median ms of `step` captured in one CUDA graph and replayed: the GPU's own time, without the host's."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compilation, allocator) outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return bench(graph.replay)
+
+
+def run_nha(T, w, mode, graphed=False):
+    """NHA forward (no grad) or forward+backward; `graphed`: the CUDA-graph replay time (no host overhead)."""
     x = nha_inputs(T, mode != "fwd")
     args = [x[n] for n in ("q", "k", "v", "q_rope", "k_rope", "log_alpha")]
     do = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
-    if mode == "fwd":
-        with torch.no_grad():
-            return bench(lambda: nha_attention(*args, w, D**-0.5, None, x["slot_bias"]))
     leaves = args + [x["slot_bias"]]
 
     def step():
-        o = nha_attention(*args, w, D**-0.5, None, x["slot_bias"])
-        torch.autograd.grad(o, leaves, do)
+        with torch.set_grad_enabled(mode != "fwd"):
+            o = nha_attention(*args, w, D**-0.5, None, x["slot_bias"])
+            return o if mode == "fwd" else torch.autograd.grad(o, leaves, do)
 
-    return bench(step)
+    return graph_replay_ms(step) if graphed else bench(step)
 
 
 def run_sdpa(T, mode):
@@ -153,17 +166,7 @@ def run_decode(layers=28, window=64):
 
     step()
     torch.cuda.synchronize()
-    eager = bench(step)
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        step()
-    graphed = bench(graph.replay)
-    return eager, graphed
+    return bench(step), graph_replay_ms(step)
 
 
 def parts(T=32768, w=64):
@@ -287,6 +290,8 @@ def main():
         for mode in ("fwd", "fwd+bwd"):
             for w in (64, 512):
                 record("nha", T, w, mode, lambda: run_nha(T, w, mode))
+            # the same step replayed from a CUDA graph: the GPU's time alone (short sequences are host-bound)
+            record("nha_graph", T, 64, mode, lambda: run_nha(T, 64, mode, graphed=True))
             record("sdpa", T, None, mode, lambda: run_sdpa(T, mode))
             for w in (64, 512):
                 record("fla_window", T, w, mode, lambda: run_fla_window(T, w, mode))
@@ -313,7 +318,7 @@ def main():
 
 def table(records, lengths, device):
     get = {(r["impl"], r["T"], r["window"], r["mode"]): r["ms"] for r in records}
-    cols = [("nha", 64), ("nha", 512), ("sdpa", None), ("fla_window", 64), ("fla_window", 512), ("fla_gsa", 64),
+    cols = [("nha", 64), ("nha", 512), ("nha_graph", 64), ("sdpa", None), ("fla_window", 64), ("fla_window", 512), ("fla_gsa", 64),
             ("floor_bytes", 64), ("floor_flops", 64)]
     fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
     lines = [f"# NHA operator benchmark ({device}, bf16, HQ=32 H=8 D=128 M=64, batch 1, median ms)", "",
