@@ -8,7 +8,7 @@ chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c *
 1. `kv_states`: `_chunk_update_kernel` (every chunk in parallel: its own update, only exp(a_last - a_j) <= 1
    factors, safe for any gate) then a scan over chunks (`chunk_scan.py`'s two-level scan, or the one-pass
    `_state_scan_kernel`): the fp32 slot states before each stream chunk of CS tokens, and the final state; the
-   key and the value states in one set of launches.
+   key and the value states in one set of launches with CONFIG["merge_kv_states"].
 2. `_fwd_kernel`: per (query block of `fwd_block(G)` tokens, batch, kv head), all G query heads of the kv head as rows
    (row r = token r // G, head r % G), so K/V tiles are loaded once per kv head (GQA without expansion).
    It runs flash-style online softmax over the sliding window (keys max(0, t-W+1) .. t), then computes the

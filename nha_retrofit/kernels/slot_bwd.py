@@ -20,7 +20,7 @@ Every operand of a D-sized product is taken in column passes of BD = 64, so no [
 - `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns): the chunk's contribution to the
   gradient w.r.t. the state before it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
 - `reverse_scan` (`_rev_scan_kernel` or the two-level scan of `chunk_scan.py`): the state gradients after each
-  chunk, for the keys and the values in one launch set.
+  chunk (for the keys and the values in one launch set with CONFIG["merge_kv_states"]).
 - `_keys_kernel`, per (chunk, kv head, BD columns): dk and dv = to_end R + sum over the chunk's query blocks of
   (slot-weighted W, causal)^T Y, both in one pass.
 - `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term;
