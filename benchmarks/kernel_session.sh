@@ -51,6 +51,7 @@ DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_block8,slot_bwd_block32,keys_da_32sl
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,window_bwd_block32,window_dq_block32,slot_bwd_rows32,slot_bwd_rows32_8warps
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_rows_8warps,slot_bwd_keys_block8,slot_bwd_columns128
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_columns128_8warps,merged_kv_states,slot_bwd_split_keys,fwd_stages3
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_stages2
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "not config_variants"
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \

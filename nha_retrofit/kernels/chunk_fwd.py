@@ -497,6 +497,8 @@ CONFIG = {
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
+    "slot_bwd_stages": 1,  # software-pipelining stages of its kernels (their loops over row blocks load Wk, Wv,
+    # q and dO tiles per iteration; 2 prefetches the next block's into shared memory)
     "slot_bwd_rows_block": None,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
     # loads the chunk's [M, D] states, as the forward's do)
     "slot_bwd_rows_warps": None,  # warps of its rows kernel (None: slot_bwd_warps)
@@ -563,6 +565,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
     "slot_bwd_columns128": dict(slot_bwd_columns=(128, None)),
     "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
+    "slot_bwd_stages2": dict(slot_bwd_stages=2),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
 }

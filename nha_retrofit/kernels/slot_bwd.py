@@ -498,7 +498,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
     sg, strides = _strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
-                  LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=1)
+                  LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
     rows_common = dict(common, CQB=rows_bq, BR=max(16, triton.next_power_of_2(rows_bq * G)),
                        num_warps=CONFIG["slot_bwd_rows_warps"] or warps)
