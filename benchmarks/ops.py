@@ -271,12 +271,14 @@ def main():
     from nha_retrofit.kernels import chunk_fwd
 
     chunk_fwd.CONFIG.update(json.loads(args.config))
+    names = list(chunk_fwd.CONFIG_VARIANTS) if args.variants == "all" else [n for n in args.variants.split(",") if n]
+    for name in names:  # a misspelt variant stops the run here, before any GPU time is spent
+        chunk_fwd.variant_overrides(name)
     t_start = time.time()
     if args.parts:
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
-    if args.variants:
-        names = list(chunk_fwd.CONFIG_VARIANTS) if args.variants == "all" else args.variants.split(",")
+    if names:
         records += variants([int(x) for x in args.variant_lengths.split(",")], names)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None
