@@ -56,7 +56,7 @@ VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "not config_variants"
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \
   --variants "$VARIANTS" \
-  --skip nha,sdpa,decode --out-dir "$OUT/parts"
+  --skip nha,nha_graph,sdpa,decode --out-dir "$OUT/parts"
 step ops "${CAP_OPS:-110}" $PY benchmarks/ops.py --skip fla_gsa --out-dir "$OUT" --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}"
 # TVARIANTS_K narrows the variant tests (pytest -k), e.g. "config_variants and (tf32x3 or window_first)"
 step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "${TVARIANTS_K:-config_variants}"
@@ -64,7 +64,7 @@ step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}"
 step e2e "${CAP_E2E:-0}" $PY benchmarks/e2e_model.py
 # fla's GSA alone (it autotunes for minutes on first use, per length: by default only the 32K anchor;
 # ops.py saves after every measurement)
-step gsa "${CAP_GSA:-0}" $PY benchmarks/ops.py --skip nha,sdpa,fla_window,decode --lengths "${GSA_LENGTHS:-32768}" \
+step gsa "${CAP_GSA:-0}" $PY benchmarks/ops.py --skip nha,nha_graph,sdpa,fla_window,decode --lengths "${GSA_LENGTHS:-32768}" \
   --out-dir "$OUT/gsa"
 
 {
