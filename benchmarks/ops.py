@@ -320,8 +320,8 @@ def main():
 
 def table(records, lengths, device):
     get = {(r["impl"], r["T"], r["window"], r["mode"]): r["ms"] for r in records}
-    cols = [("nha", 64), ("nha", 512), ("nha_graph", 64), ("sdpa", None), ("fla_window", 64), ("fla_window", 512), ("fla_gsa", 64),
-            ("floor_bytes", 64), ("floor_flops", 64)]
+    cols = [("nha", 64), ("nha", 512), ("nha_graph", 64), ("sdpa", None), ("fla_window", 64), ("fla_window", 512),
+            ("fla_gsa", 64), ("floor_bytes", 64), ("floor_flops", 64)]
     fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
     lines = [f"# NHA operator benchmark ({device}, bf16, HQ=32 H=8 D=128 M=64, batch 1, median ms)", "",
              "fwd+bwd (fwd in brackets)", "",

@@ -97,10 +97,14 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     default launch."""
     G = HQ // H
     pow2 = triton.next_power_of_2
+
+    def constants(bq, sprec, columns):
+        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(columns, D),
+                    SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
+
     out = []
     for bq, warps, sprec in launches:
-        common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(64, D),
-                      SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
+        common = constants(bq, sprec, 64)
         tag = f"block={bq} {sprec}"
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
                  dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
@@ -113,8 +117,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
     # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
     bq, _, sprec = launches[0]
-    common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(128, D), SPREC=sprec,
-                  LIMIT=cf.CONFIG["block_factor_limit"])
+    common = constants(bq, sprec, 128)
     for warps in (4, 8):
         tag = f"block={bq} {sprec} columns={min(128, D)}"
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
