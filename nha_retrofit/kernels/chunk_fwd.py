@@ -504,8 +504,9 @@ CONFIG = {
     "slot_bwd_rows_warps": None,  # warps of its rows kernel (None: slot_bwd_warps)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report, the rows kernel stays at 4)
-    "slot_bwd_columns": None,  # (columns, warps or None) per program of its state_grad and keys kernels (None:
-    # (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider is less of that
+    "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
+    # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
+    # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
@@ -517,8 +518,8 @@ CONFIG = {
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
     "scan_segment": 16,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
-    "merge_kv_states": False,  # the key and the value states in one set of launches (when k and v share a layout;
-    # interpreter-checked, not yet run on the GPU: opt-in until the GPU suite passes under it, NOTES.md session 6)
+    "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
+    # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
     # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
@@ -547,7 +548,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
-    "merged_kv_states": dict(merge_kv_states=True),
+    "separate_kv_states": dict(merge_kv_states=False),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
@@ -563,7 +564,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_rows32_8warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=8),
     "slot_bwd_rows_8warps": dict(slot_bwd_rows_warps=8),
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
-    "slot_bwd_columns128": dict(slot_bwd_columns=(128, None)),
+    "slot_bwd_columns64": dict(slot_bwd_columns=None),
     "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
     "slot_bwd_stages2": dict(slot_bwd_stages=2),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),

@@ -34,8 +34,8 @@ CASES = [
     ("defaults", (90, 6, 2, 64, 64, 5, 2, "float16", 1.0, "random", "left")),
     ("slot_bwd_rows32_8warps", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
     ("window_bwd_block32", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
-    ("merged_kv_states", (100, 8, 2, 64, 64, 40, 2, "float32", 2.0, "random", "left")),
-    ("merged_kv_states", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
+    ("separate_kv_states", (100, 8, 2, 64, 64, 40, 2, "float32", 2.0, "random", "left")),
+    ("defaults", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
 ]
 
 
