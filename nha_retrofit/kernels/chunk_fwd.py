@@ -184,6 +184,18 @@ def _block_split(g, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constex
 
 
 @triton.jit
+def _block_split_cumsum(a, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
+    """`_block_split` from the gates' cumsum a [CS, M] instead of the gates (a kernel that keeps only a live)."""
+    offs_u = tl.arange(0, CSZ)
+    a_ref = tl.sum(tl.where(offs_u[:, None] == off - 1, a, 0.0), 0)
+    a_last = tl.sum(tl.where(offs_u[:, None] == off + CQB - 1, a, 0.0), 0)
+    before = offs_u < off
+    inside = (offs_u >= off) & (offs_u < off + CQB)
+    decay = tl.max(a_ref - a_last, 0)
+    return a_ref, tl.where(decay <= LIMIT, before | inside, before), decay > LIMIT
+
+
+@triton.jit
 def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen, M: tl.constexpr,
                        MT: tl.constexpr):
     """Token j of the query block: its decays to the rows that see it, exp(a_u - a_j) = exp(a_in - cum)
@@ -499,9 +511,10 @@ CONFIG = {
     # despite more register spills)
     "slot_bwd_stages": 1,  # software-pipelining stages of its kernels (their loops over row blocks load Wk, Wv,
     # q and dO tiles per iteration; 2 prefetches the next block's into shared memory)
-    "slot_bwd_rows_block": None,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
-    # loads the chunk's [M, D] states, as the forward's do)
-    "slot_bwd_rows_warps": None,  # warps of its rows kernel (None: slot_bwd_warps)
+    "slot_bwd_rows_block": 32,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
+    # loads the chunk's [M, D] states, as the forward's do; 32 tokens with 8 warps were 0.2-0.3 ms faster per
+    # 32K step than 16 with 4 on the H200, NOTES.md session 7)
+    "slot_bwd_rows_warps": 8,  # warps of its rows kernel (None: slot_bwd_warps)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report, the rows kernel stays at 4)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
@@ -510,8 +523,9 @@ CONFIG = {
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
-    "window_bwd_block": None,  # query tokens per block of the window backward (None: window_bwd.CQ = 16)
-    "window_dkv_block": None,  # ... of its dkv kernel alone (None: window_bwd_block; at 32 its smem is 137 KB)
+    "window_bwd_block": 32,  # query tokens per block of the window backward's dq and delta kernels (None:
+    # window_bwd.CQ = 16; 32 was ~0.1 ms faster per 32K step on the H200)
+    "window_dkv_block": 16,  # ... of its dkv kernel (None: window_bwd_block; at 32 its smem is 137 KB)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
@@ -554,21 +568,22 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_one_pass": dict(scan_segment=None),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
-    "window_bwd_block32": dict(window_bwd_block=32),
-    "window_dq_block32": dict(window_bwd_block=32, window_dkv_block=16),
+    "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
+    "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8),
     "slot_bwd_block8": dict(slot_bwd_block=8),
     "slot_bwd_block32": dict(slot_bwd_block=32),
-    "slot_bwd_rows32": dict(slot_bwd_rows_block=32),
-    "slot_bwd_rows32_8warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=8),
-    "slot_bwd_rows_8warps": dict(slot_bwd_rows_warps=8),
+    "slot_bwd_rows32_4warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=4),
+    "slot_bwd_rows16": dict(slot_bwd_rows_block=16, slot_bwd_rows_warps=4),
+    "slot_bwd_rows16_8warps": dict(slot_bwd_rows_block=16, slot_bwd_rows_warps=8),
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
     "slot_bwd_columns64": dict(slot_bwd_columns=None),
     "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
     "slot_bwd_stages2": dict(slot_bwd_stages=2),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
+    "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
 }
 
 

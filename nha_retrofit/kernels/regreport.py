@@ -94,7 +94,7 @@ def cases(HQ, H, D, M):
 def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), (16, 8, "bf16x3"), (8, 4, "bf16x3"),
                                                    (32, 4, "bf16x3"), (32, 8, "bf16x3"))):
     """The slot backward kernels per (row-block tokens, warps, fp32 product precision); the first is the
-    default launch."""
+    keys-side kernels' default launch, the last the rows kernel's (CONFIG["slot_bwd_rows_block"] / "_warps")."""
     G = HQ // H
     pow2 = triton.next_power_of_2
 

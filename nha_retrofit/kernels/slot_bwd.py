@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (CONFIG, CS, _block_split, _block_token_decay, _chunk_products, _query_rows, _row_decay,
-                        _row_stats, alloc, kv_states, launched, scan_tile)
+from .chunk_fwd import (CONFIG, CS, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
+                        _query_rows, _row_decay, _row_stats, alloc, kv_states, launched, scan_tile)
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
@@ -209,6 +209,24 @@ def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
 
 
 @triton.jit
+def _rows_side(X, xrow, Y, yrow, S, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw, a_in,
+               e_car, direct, T, W, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, BR: tl.constexpr,
+               CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
+    """[rows, M] products of the block's rows of X (q or dO) with the slots they read (state S before the chunk
+    and the chunk's tokens of Y, k or v, slot-weighted): the logits before scale, or dP."""
+    offs_u = tl.arange(0, CSZ)
+    xy, xs = _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX, BD, M, M, BR, CSZ, PREC, SPREC)
+    out = dot_f32(tl.where(causal, xy, 0.0), kw, SPREC) * tl.exp(a_in) + xs * e_car
+    if direct:  # the block's own tokens: direct weights, as the forward
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M, M)
+            out += tl.sum(tl.where(offs_u[None, :] == off + jj, xy, 0.0), 1)[:, None] * e_j * s_j[None, :]
+    return out
+
+
+@triton.jit
 def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV,
@@ -245,23 +263,13 @@ def _rows_kernel(
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     st = pid_bh.to(tl.int64) * (NCH + 1) + c
 
-    # logits and dP
-    qk, xc = _chunk_products(Q, row, K, krow, SK, st, tv, jr, offs_c, D, BD, M, M, BR, CSZ, PREC, SPREC)
-    ov, xv = _chunk_products(DO, orow, V, vrow, SV, st, tv, jr, offs_c, DV, BD, M, M, BR, CSZ, PREC, SPREC)
-    x_in = dot_f32(tl.where(causal, qk, 0.0), kw, SPREC) * e_in
-    x_ov = dot_f32(tl.where(causal, ov, 0.0), kw, SPREC) * e_in
-    if direct:  # the block's own tokens: direct weights, as the forward
-        cum = tl.zeros([M], dtype=tl.float32)
-        for jj in range(CQB):
-            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M, M)
-            sel = offs_u[None, :] == off + jj
-            x_in += tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
-            x_ov += tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * e_j * s_j[None, :]
-    lraw = (x_in + xc * e_car) * scale
+    # logits (before scale) and dP, one side after the other
+    lraw = _rows_side(Q, row, K, krow, SK, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw,
+                      a_in, e_car, direct, T, W, offs_c, D, BD, M, BR, CQB, CSZ, PREC, SPREC) * scale
+    dp = _rows_side(DO, orow, V, vrow, SV, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw,
+                    a_in, e_car, direct, T, W, offs_c, DV, BD, M, BR, CQB, CSZ, PREC, SPREC)
     bias = tl.load(BIAS + hq, mask=tv, other=0.0)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
-    dp = x_ov + xv * e_car
     delta += tl.sum(p * dp, 1)  # the window share plus the slot share, kept for the window backward
     tl.store(DELTA + lrow, delta, mask=tv)
     dl = p * (dp - delta[:, None])
@@ -296,6 +304,33 @@ def _rows_kernel(
 
 
 @triton.jit
+def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, a_in, a,
+             a_ref, factored, direct, T, W, DX: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+             CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
+    """One side of a query block's share of UV (q with the chunk's k and Wk, or dO with v and Wv): [CS, BM]
+    sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j). The two sides run one after the other,
+    so only one [rows, CS] product and one [rows, BM] weight tile are live at a time."""
+    offs_c = tl.arange(0, BD)
+    offs_u = tl.arange(0, CSZ)
+    xy = tl.zeros([CSZ, BR], dtype=tl.float32)  # [CS, rows]: no transpose of an fp32 tile for the product
+    for d0 in range(0, DX, BD):
+        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
+    xy = tl.where(tl.trans(causal), xy, 0.0)
+    w = tl.load(WST + w_off, mask=tv[:, None], other=0.0)
+    out = dot_f32(xy, w * tl.exp(a_in), SPREC) * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
+    if direct:  # the block's own tokens
+        cum = tl.zeros([BM], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, BM, BM)
+            row_j = tl.sum(tl.sum(tl.where(offs_u[:, None] == off + jj, xy, 0.0), 0)[:, None] * w * e_j, 0)
+            out += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
+    return out
+
+
+@triton.jit
 def _keys_da_kernel(
     Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
@@ -305,7 +340,9 @@ def _keys_da_kernel(
     SPREC: tl.constexpr, BM: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, for the
-    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent)."""
+    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent).
+    The loop over query blocks keeps only the gates' cumsum a live (the blocks' split comes from it, the gates
+    are reloaded at the end)."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     m0 = tl.program_id(2) * BM
@@ -316,7 +353,7 @@ def _keys_da_kernel(
     offs_c = tl.arange(0, BD)
     offs_m = m0 + tl.arange(0, BM)  # absolute slot indices (M, all slots, is the row stride of E, DA, WK...)
     GB = G + m0  # the gate helpers read BM slots from here
-    g, a, j, jr = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
+    _, a, j, jr = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     cidx = pid_bh.to(tl.int64) * NCH + c
@@ -329,46 +366,24 @@ def _keys_da_kernel(
         vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
         uv += dot_xa(vd.to(tl.float32), tl.trans(rvd), SPREC)
-    uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
-    r = tl.arange(0, BR)
-    tok = r // GQ
-    hq = h * GQ + r % GQ
-    rok = r < CQB * GQ
+    a_end = tl.sum(tl.where(offs_u[:, None] == CSZ - 1, a, 0.0), 0)
+    uv = uv * tl.exp(a_end[None, :] - a)
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
         t = cs0 + off + tok
         tv = rok & (t < T)
         causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
-        row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
-        orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-        qk = tl.zeros([BR, CSZ], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            qd = tl.load(Q + row[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-            kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-            qk += tl.dot(qd, tl.trans(kd), input_precision=PREC)
-        ov = tl.zeros([BR, CSZ], dtype=tl.float32)
-        for d0 in range(0, DV, BD):
-            dod = tl.load(DO + orow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-            vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-            ov += tl.dot(dod, tl.trans(vd), input_precision=PREC)
+        a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)
         w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
-        wk = tl.load(WK + w_off, mask=tv[:, None], other=0.0)
-        wv = tl.load(WV + w_off, mask=tv[:, None], other=0.0)
         a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM, BM)
-        e_in = tl.exp(a_in)
-        intra = (dot_f32(tl.trans(tl.where(causal, qk, 0.0)), wk * e_in, SPREC)
-                 + dot_f32(tl.trans(tl.where(causal, ov, 0.0)), wv * e_in, SPREC))
-        uv += intra * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
-        if direct:  # the block's own tokens
-            cum = tl.zeros([BM], dtype=tl.float32)
-            for jj in range(CQB):
-                e_j, s_j, cum = _block_token_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
-                                                   a_in, tok >= jj, BM, BM)
-                sel = offs_u[None, :] == off + jj
-                row_j = tl.sum((tl.sum(tl.where(sel, qk, 0.0), 1)[:, None] * wk
-                                + tl.sum(tl.where(sel, ov, 0.0), 1)[:, None] * wv) * e_j, 0)
-                uv += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
+        row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
+        uv += _da_side(Q, row, K, krow, WK, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal,
+                       a_in, a, a_ref, factored, direct, T, W, D, BD, BM, BR, CQB, CSZ, PREC, SPREC)
+        orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
+        uv += _da_side(DO, orow, V, vrow, WV, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr,
+                       causal, a_in, a, a_ref, factored, direct, T, W, DV, BD, BM, BR, CQB, CSZ, PREC, SPREC)
+    g, _, _, _ = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
     u = cs0 + offs_u
     e_off = (pid_bh.to(tl.int64) * L + u) * M
     e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)

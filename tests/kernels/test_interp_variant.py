@@ -32,7 +32,7 @@ CASES = [
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
     ("fwd_window_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),
     ("defaults", (90, 6, 2, 64, 64, 5, 2, "float16", 1.0, "random", "left")),
-    ("slot_bwd_rows32_8warps", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
+    ("slot_bwd_rows16", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
     ("window_bwd_block32", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
     ("separate_kv_states", (100, 8, 2, 64, 64, 40, 2, "float32", 2.0, "random", "left")),
     ("defaults", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
