@@ -4,8 +4,9 @@ side with the defaults, against the float64 `nha_reference`: output and every gr
 fp32 runs under the out-of-bounds checker (`interp_bounds.py`: guarded private buffers, every active address
 checked) with NaN-poisoned outputs; bf16 runs with GPU-like numerics (`interp_numerics.py`: bf16 round to
 nearest, TF32 / 3xTF32 products as the GPU forms them, addresses still checked). Criterion: fp32 every tensor
-<= 1e-5 (the kernels reach ~1e-6); bf16 every tensor <= 2x the defaults' error on the same inputs + 1e-6
-(the same level; the variants differ only in rounding points) and <= 5e-3 (the GPU suite's tolerance).
+<= 1e-5 (the kernels reach ~1e-6; log_alpha 2e-5, see FP32_BOUND); bf16 every tensor <= 2x the defaults'
+error on the same inputs + 1e-6 (the same level; the variants differ only in rounding points) and <= 5e-3 (the
+GPU suite's tolerance).
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_variant.py VARIANT T HQ H D M WINDOW BATCH
        [float32|bfloat16] [decay] [random|real_like] [left|right|none]   (none: no attention mask)
@@ -77,11 +78,18 @@ def check(variant, T, HQ, H, D, M, window, batch, dtype=torch.float32, decay=1.0
     return errs, base, finite
 
 
+# log_alpha's gradient is a suffix sum over the sequence of E - s UV, two terms that nearly cancel: E comes from the
+# rows kernel, UV from keys_da, and when their query blocks differ (rows 32 tokens, keys_da 16: the defaults since
+# session 7) their rounding no longer cancels: 1.0e-5 under mixed decay, against 5.0e-6 with both at 16 tokens and
+# 2.5e-6 with both at 32 (the GPU suite's fp32 tolerance is 1e-4; NOTES.md session 7)
+FP32_BOUND = {"log_alpha": 2e-5}
+
+
 def verdict(errs, base, finite, dtype):
     if not finite:
         return ["non-finite"]
     if dtype == torch.float32:
-        return [k for k, v in errs.items() if not v <= 1e-5]
+        return [k for k, v in errs.items() if not v <= FP32_BOUND.get(k, 1e-5)]
     return [k for k, v in errs.items() if not (v <= 2 * base[k] + 1e-6 and v <= 5e-3)]
 
 
