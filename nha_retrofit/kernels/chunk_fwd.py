@@ -520,7 +520,12 @@ CONFIG = {
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
     # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
     # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
+    "slot_bwd_fused_keys": False,  # the keys and keys_da kernels as one pass per side (q/k/Wk, dO/v/Wv) over the
+    # chunk's row blocks, sharing their weights and loads (D, DV <= slot_bwd_columns, M <= 64; untimed)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
+    "keys_da_rows_block": False,  # True: keys_da takes the rows kernel's blocks and warps (its UV and the rows
+    # kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their rounding alike: fp32 error
+    # 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
     "window_bwd_block": 32,  # query tokens per block of the window backward's dq and delta kernels (None:
@@ -584,6 +589,9 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
+    "keys_da_rows_block": dict(keys_da_rows_block=True),
+    "slot_bwd_fused_keys": dict(slot_bwd_fused_keys=True),
+    "slot_bwd_fused_keys_8warps": dict(slot_bwd_fused_keys=True, slot_bwd_columns=(128, 8)),
 }
 
 

@@ -26,7 +26,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
-                CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32)
+                CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32)
 
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
@@ -123,6 +123,10 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1)]
+        if D <= 128 and M <= 64:  # CONFIG["slot_bwd_fused_keys"]
+            side = {k: v for k, v in common.items() if k != "BD"}
+            out.append((f"slot bwd keys_side {tag}", slot_bwd._keys_side_kernel,
+                        dict(side, DX=D, PREC="tf32", LAST=True), warps, 1))
     return out
 
 

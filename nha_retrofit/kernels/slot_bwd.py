@@ -25,6 +25,8 @@ Every operand of a D-sized product is taken in column passes of BD = 64, so no [
   (slot-weighted W, causal)^T Y, both in one pass.
 - `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term;
   a suffix sum in PyTorch finishes dlog_alpha.
+- `_keys_side_kernel` (CONFIG["slot_bwd_fused_keys"]), per (chunk, kv head), two launches: the keys and keys_da
+  work of one side (q, k, Wk or dO, v, Wv) in one pass over the row blocks.
 Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
@@ -120,7 +122,8 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
 def _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr,
                 BD: tl.constexpr):
     """A keys-side program (axes: stream chunk c, batch x kv head, BD columns): its gates g, their cumsum a,
-    positions j, write weights s of its valid tokens, and to_end = s exp(a_end - a) (the decay to its end)."""
+    positions j and which are real tokens jr, write weights s of those, and to_end = s exp(a_end - a) (the decay
+    to its end)."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     d0 = tl.program_id(2) * BD
@@ -131,7 +134,7 @@ def _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H: tl.constexpr, M: tl.constexp
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
     s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
     to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
-    return c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end
+    return c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end
 
 
 @triton.jit
@@ -142,18 +145,17 @@ def _row_lanes(h, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
-def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W,
-               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
-               LIMIT: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
-    """Query block at chunk offset off: tokens t, valid rows tv, the causal mask [rows, CS], the gates before
-    it (a_ref), the factored weights kw (`_block_split`: the chunk's tokens before the block, and inside it
-    unless `direct`), the rows' [rows, M] weights from WA (if A) and WB (if B; zeros where not loaded), their
-    decays a_in from the block start, and `direct` (the block's tokens need direct weights)."""
+def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0, off, r, tok, hq, rok, T, W,
+               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, A: tl.constexpr,
+               B: tl.constexpr):
+    """Query block at chunk offset off, split by the caller (`_block_split`: a_ref, the gates before it, and
+    which tokens are `factored`): tokens t, valid rows tv, the causal mask [rows, CS], the factored weights kw,
+    the rows' [rows, M] weights from WA (if A) and WB (if B; zeros where not loaded) and their decays a_in from
+    the block start."""
     offs_u = tl.arange(0, CSZ)
     t = cs0 + off + tok
     tv = rok & (t < T)
     causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
-    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
     kw = tl.where(factored[:, None], s * tl.exp(a_ref[None, :] - a), 0.0)
     w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + tl.arange(0, M)[None, :]
     wa = tl.zeros(w_off.shape, dtype=tl.float32)
@@ -163,7 +165,7 @@ def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, to
     if B:
         wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
     a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
-    return t, tv, causal, a_ref, kw, wa, wb, a_in, direct
+    return t, tv, causal, kw, wa, wb, a_in
 
 
 @triton.jit
@@ -304,21 +306,12 @@ def _rows_kernel(
 
 
 @triton.jit
-def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, a_in, a,
-             a_ref, factored, direct, T, W, DX: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-             CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
-    """One side of a query block's share of UV (q with the chunk's k and Wk, or dO with v and Wv): [CS, BM]
-    sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j). The two sides run one after the other,
-    so only one [rows, CS] product and one [rows, BM] weight tile are live at a time."""
-    offs_c = tl.arange(0, BD)
+def _da_block(xy, w, a_in, a, a_ref, factored, direct, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, T, W,
+              BM: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr):
+    """A query block's share of one side of UV (q with the chunk's k and Wk, or dO with v and Wv), [CS, BM]:
+    sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j), from xy = X Y^T [CS, rows] (causal,
+    transposed: no fp32 transpose for the product) and the rows' weights w [rows, BM]."""
     offs_u = tl.arange(0, CSZ)
-    xy = tl.zeros([CSZ, BR], dtype=tl.float32)  # [CS, rows]: no transpose of an fp32 tile for the product
-    for d0 in range(0, DX, BD):
-        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
-    xy = tl.where(tl.trans(causal), xy, 0.0)
-    w = tl.load(WST + w_off, mask=tv[:, None], other=0.0)
     out = dot_f32(xy, w * tl.exp(a_in), SPREC) * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
     if direct:  # the block's own tokens
         cum = tl.zeros([BM], dtype=tl.float32)
@@ -328,6 +321,34 @@ def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0
             row_j = tl.sum(tl.sum(tl.where(offs_u[:, None] == off + jj, xy, 0.0), 0)[:, None] * w * e_j, 0)
             out += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
     return out
+
+
+@triton.jit
+def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, a_in, a,
+             a_ref, factored, direct, T, W, DX: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+             CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
+    """`_da_block` with the product formed in BD-column passes and the weights loaded. The keys_da kernel runs
+    the two sides one after the other, so only one [CS, rows] product and one weight tile are live at a time."""
+    offs_c = tl.arange(0, BD)
+    xy = tl.zeros([CSZ, BR], dtype=tl.float32)
+    for d0 in range(0, DX, BD):
+        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
+    w = tl.load(WST + w_off, mask=tv[:, None], other=0.0)
+    return _da_block(tl.where(tl.trans(causal), xy, 0.0), w, a_in, a, a_ref, factored, direct, GB, MASK, b, h,
+                     sg_b, sg_t, sg_h, cs0, off, tok, T, W, BM, CQB, CSZ, SPREC)
+
+
+@triton.jit
+def _store_da(E, DA, XA, uv, g, jr, pid_bh, cs0, offs_m, T, L, M: tl.constexpr, CSZ: tl.constexpr):
+    """DA[u] = E[u] - s_u UV[u] and XA[u] = -alpha_u UV[u] for the chunk's stream positions (slots offs_m)."""
+    u = cs0 + tl.arange(0, CSZ)
+    e_off = (pid_bh.to(tl.int64) * L + u) * M
+    e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
+    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
+    tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
+    tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
 
 
 @triton.jit
@@ -384,12 +405,7 @@ def _keys_da_kernel(
         uv += _da_side(DO, orow, V, vrow, WV, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr,
                        causal, a_in, a, a_ref, factored, direct, T, W, DV, BD, BM, BR, CQB, CSZ, PREC, SPREC)
     g, _, _, _ = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
-    u = cs0 + offs_u
-    e_off = (pid_bh.to(tl.int64) * L + u) * M
-    e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
-    s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
-    tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
+    _store_da(E, DA, XA, uv, g, jr, pid_bh, cs0, offs_m, T, L, M, CSZ)
 
 
 def slot_bwd_precision(dtype, slots):
@@ -430,14 +446,15 @@ def _state_grad_kernel(
     """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
     log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
     (q, Wk), CV with (dO, Wv))."""
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     offs_m = tl.arange(0, M)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     acc = tl.zeros([M, BD], dtype=tl.float32)
     for blk in range(CSZ // CQB):
-        t, tv, causal, a_ref, kw, wst, wb, a_in, _ = _row_block(
-            G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
-            CSZ, LIMIT, True, False)
+        a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
+        t, tv, causal, kw, wst, unused, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
+                                                          factored, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M,
+                                                          CSZ, True, False)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc = acc + dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
     tl.store(C_OUT + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
@@ -455,7 +472,7 @@ def _keys_kernel(
     """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
     dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
     dk and (dO, Wv, Rv) for dv (both in one pass over the row blocks when DO_K and DO_V)."""
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     offs_m = tl.arange(0, M)
     cidx = pid_bh.to(tl.int64) * NCH + c
     acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
@@ -467,9 +484,9 @@ def _keys_kernel(
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        t, tv, causal, a_ref, kw, wk, wv, a_in, direct = _row_block(
-            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
-            LIMIT, DO_K, DO_V)
+        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        t, tv, causal, kw, wk, wv, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored,
+                                                     cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, DO_K, DO_V)
         bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
                                 T, W, M, CQB, CSZ, SPREC, DO_K, DO_V)
         if DO_K:
@@ -480,6 +497,51 @@ def _keys_kernel(
         _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
     if DO_V:
         _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
+
+
+@triton.jit
+def _keys_side_kernel(
+    Y, X, WST, R, G, MASK, OUT, E, UVB, DA, XA,
+    sy_b, sy_t, sx_b, sx_t, sx_h, so_b, so_t, so_h, sg_b, sg_t, sg_h,
+    T, W, NCH, L,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
+    CSZ: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
+    LAST: tl.constexpr,
+):
+    """One side of the keys kernel and of the keys_da kernel in one pass over the chunk's row blocks, all DX
+    columns per program (axes: chunk, batch x kv head): (Y, X, W, R) = (q, k, Wk, Rk) gives dk and the k side of
+    UV, (dO, v, Wv, Rv) dv and the v side; the two share the row blocks' weights and Y loads. The first side
+    (LAST False) stores its UV share in UVB; the second adds it and stores DA and XA (`_store_da`)."""
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ,
+                                                                       DX)
+    offs_m = tl.arange(0, M)
+    r_tile = tl.load(R + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :])
+    acc = dot_f32(to_end, r_tile, SPREC)  # [CS, DX]
+    x = tl.load(X + (b * sx_b + j.to(tl.int64) * sx_t + h * sx_h)[:, None] + offs_c[None, :], mask=jr[:, None],
+                other=0.0)
+    a_end = tl.sum(tl.where(tl.arange(0, CSZ)[:, None] == CSZ - 1, a, 0.0), 0)  # (the gates are dead from here)
+    uv = dot_xa(x.to(tl.float32), tl.trans(r_tile), SPREC) * tl.exp(a_end[None, :] - a)  # [CS, M]
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
+    for blk in range(CSZ // CQB):
+        off = blk * CQB
+        a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)  # (the gates are not live here)
+        t, tv, causal, kw, w, unused_w, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
+                                                          factored, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ,
+                                                          True, False)
+        bw, unused_b = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, w, w, direct,
+                                      T, W, M, CQB, CSZ, SPREC, True, False)
+        y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
+        acc += dot_xb(tl.trans(bw), y.to(tl.float32), SPREC)
+        xy = tl.where(tl.trans(causal), tl.dot(x, tl.trans(y), input_precision=PREC), 0.0)
+        uv += _da_block(xy, w, a_in, a, a_ref, factored, direct, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, T, W,
+                        M, CQB, CSZ, SPREC)
+    _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W)
+    uv_off = (pid_bh.to(tl.int64) * L + cs0 + tl.arange(0, CSZ))[:, None] * M + offs_m[None, :]
+    if LAST:
+        g, _, _, _ = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
+        _store_da(E, DA, XA, uv + tl.load(UVB + uv_off), g, jr, pid_bh, cs0, offs_m, T, L, M, CSZ)
+    else:
+        tl.store(UVB + uv_off, uv)
 
 
 def launch_shape():
@@ -541,7 +603,22 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
                                                                          reverse_scan(cv, dec))
     dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
     dv = alloc(B, T, H, DV, dtype=f32, device=dev)
-    if T > W:
+    dA = alloc(B, H, L, M, dtype=f32, device=dev)
+    xa = alloc(B, H, L, M, dtype=f32, device=dev)
+    # keys and keys_da in one pass per side (CONFIG["slot_bwd_fused_keys"]) when a program can take all columns
+    fused = CONFIG["slot_bwd_fused_keys"] and T > W and max(D, DV) <= cols and M <= 64
+    if fused:
+        uv_k = alloc(B, H, L, M, dtype=f32, device=dev)
+        for y, x, wst, r, out, dx, last in ((p.q, p.k, wk, rk, dk, D, False), (do, p.v, wv, rv, dv, DV, True)):
+            _keys_side_kernel[(n, B * H)](
+                y, x, wst, r, p.log_alpha, p.mask, out, E, uv_k, dA, xa, y.stride(0), y.stride(1), x.stride(0),
+                x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), *sg, T, W, n, L,
+                HQ=HQ, H=H, GQ=G, DX=dx, M=M, CQB=bq, CSZ=CS, BR=BR, PREC=p.prec, SPREC=sprec,
+                LIMIT=CONFIG["block_factor_limit"], LAST=last, num_warps=keys_launch["num_warps"],
+                num_stages=CONFIG["slot_bwd_stages"],
+            )
+            launched("slot bwd keys_side")
+    elif T > W:
         kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2), *sg)
         merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
@@ -555,13 +632,14 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     # rows of tokens j >= T - W are read by no query: zero (the keys kernel stores j < T - W only)
     dk[:, max(T - W, 0):] = 0
     dv[:, max(T - W, 0):] = 0
-    dA = alloc(B, H, L, M, dtype=f32, device=dev)
-    xa = alloc(B, H, L, M, dtype=f32, device=dev)
-    bm = min(M, CONFIG.get("keys_da_slots") or M)
-    _keys_da_kernel[(n, B * H, M // bm)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
-        D=D, DV=DV, PREC=p.prec, BM=bm, **keys_common,
-    )
-    launched("slot bwd keys_da")
+    if not fused:
+        bm = min(M, CONFIG.get("keys_da_slots") or M)
+        da_launch = dict(keys_common, CQB=rows_bq, BR=rows_common["BR"], num_warps=rows_common["num_warps"]) \
+            if CONFIG["keys_da_rows_block"] else keys_common
+        _keys_da_kernel[(n, B * H, M // bm)](
+            p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
+            D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
+        )
+        launched("slot bwd keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
 
