@@ -516,7 +516,7 @@ CONFIG = {
     # 32K step than 16 with 4 on the H200, NOTES.md session 7)
     "slot_bwd_rows_warps": 8,  # warps of its rows kernel (None: slot_bwd_warps)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
-    # they spill 0 / 200 B instead of 384 / 1788 B in the register report, the rows kernel stays at 4)
+    # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
     # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
     # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
