@@ -526,6 +526,9 @@ CONFIG = {
     "keys_da_rows_block": False,  # True: keys_da takes the rows kernel's blocks and warps (its UV and the rows
     # kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their rounding alike: fp32 error
     # 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
+    "alpha_grad_kernel": False,  # the log_alpha gradient's suffix sum, shift and mask in one Triton kernel instead
+    # of ~8 PyTorch kernels (strided copies, a full-length scan: part of the ~0.9 ms of PyTorch kernels per 32K
+    # step on the H200; untimed)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
     "window_bwd_block": 32,  # query tokens per block of the window backward's dq and delta kernels (None:
@@ -590,6 +593,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
     "keys_da_rows_block": dict(keys_da_rows_block=True),
+    "alpha_grad_kernel": dict(alpha_grad_kernel=True),
     "slot_bwd_fused_keys": dict(slot_bwd_fused_keys=True),
     "slot_bwd_fused_keys_8warps": dict(slot_bwd_fused_keys=True, slot_bwd_columns=(128, 8)),
 }

@@ -423,10 +423,43 @@ def _strides(p, do):
                 p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
 
 
+@triton.jit
+def _alpha_grad_kernel(DA, XA, CARRY, MASK, DLA, sd_b, sd_t, sd_h, T, W, NCH, L,
+                       H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, BM: tl.constexpr):
+    """DLA[b, j, h] = sum_{u >= j + W} DA[u] + XA[j + W] for the real tokens j < T - W (the others stay zero), per
+    (stream chunk, batch x kv head, slot block): the chunk's own reverse cumsum plus CARRY (the later chunks' sum),
+    written straight into the [B, T, H, M] layout."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    offs_m = tl.program_id(2) * BM + tl.arange(0, BM)
+    b = pid_bh // H
+    h = pid_bh % H
+    u = c * CSZ + tl.arange(0, CSZ)
+    off = (pid_bh.to(tl.int64) * L + u)[:, None] * M + offs_m[None, :]
+    carry = tl.load(CARRY + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m)
+    dla = tl.cumsum(tl.load(DA + off), axis=0, reverse=True) + carry[None, :] + tl.load(XA + off)
+    j = u - W
+    ok = (j >= 0) & (j < T - W)
+    ok = ok & (tl.load(MASK + b * T + j, mask=ok, other=0) > 0)
+    tl.store(DLA + b * sd_b + j[:, None].to(tl.int64) * sd_t + h * sd_h + offs_m[None, :], dla, mask=ok[:, None])
+
+
 def _log_alpha_grad(p, dA, xa):
     """d log_alpha [B, T, H, M] from the keys_da outputs [B, H, L, M] over stream positions u = j + W: the
-    suffix sum of dA plus xa, shifted back by the window; padding rows get none."""
+    suffix sum of dA plus xa, shifted back by the window; padding rows get none. One kernel with
+    CONFIG["alpha_grad_kernel"] (per chunk: a reverse cumsum plus the later chunks' sum), else PyTorch ops."""
     T, W = p.T, p.W
+    if CONFIG["alpha_grad_kernel"]:
+        B, H, L, M = dA.shape
+        n = L // CS
+        totals = dA.view(B, H, n, CS, M).sum(3)
+        carry = suffix_sum(totals, 2) - totals  # the chunks after each chunk
+        dla = torch.zeros(B, T, H, M, dtype=torch.float32, device=dA.device)
+        bm = min(M, 64)
+        _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, carry.contiguous(), p.mask, dla, *dla.stride()[:3], T, W,
+                                                n, L, H=H, M=M, CSZ=CS, BM=bm)
+        launched("alpha grad")
+        return dla
     dga = suffix_sum(dA, 2) + xa
     dla = torch.zeros(p.B, T, p.H, p.M, dtype=torch.float32, device=dA.device)
     if T > W:
