@@ -552,12 +552,13 @@ def _keys_side_kernel(
     acc = dot_f32(to_end, r_tile, SPREC)  # [CS, DX]
     x = tl.load(X + (b * sx_b + j.to(tl.int64) * sx_t + h * sx_h)[:, None] + offs_c[None, :], mask=jr[:, None],
                 other=0.0)
-    a_end = tl.sum(tl.where(tl.arange(0, CSZ)[:, None] == CSZ - 1, a, 0.0), 0)  # (the gates are dead from here)
+    # the gates are not used after this point (the split comes from their cumsum a; reloaded at the end)
+    a_end = tl.sum(tl.where(tl.arange(0, CSZ)[:, None] == CSZ - 1, a, 0.0), 0)
     uv = dot_xa(x.to(tl.float32), tl.trans(r_tile), SPREC) * tl.exp(a_end[None, :] - a)  # [CS, M]
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)  # (the gates are not live here)
+        a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)
         t, tv, causal, kw, w, unused_w, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
                                                           factored, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ,
                                                           True, False)
