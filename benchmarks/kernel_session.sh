@@ -63,6 +63,7 @@ DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_rows16_8warps,slot_bwd_keys_block8,s
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_columns128_8warps,separate_kv_states,slot_bwd_split_keys,fwd_stages3
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_stages2,keys_da_8warps
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_fused_keys,slot_bwd_fused_keys_8warps,keys_da_rows_block,alpha_grad_kernel
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_dq_kernel
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "not config_variants"
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \

@@ -515,6 +515,9 @@ CONFIG = {
     # loads the chunk's [M, D] states, as the forward's do; 32 tokens with 8 warps were 0.2-0.3 ms faster per
     # 32K step than 16 with 4 on the H200, NOTES.md session 7)
     "slot_bwd_rows_warps": 8,  # warps of its rows kernel (None: slot_bwd_warps)
+    "slot_bwd_dq_kernel": False,  # the slot part of dq in a kernel of its own after the rows kernel (which then
+    # holds fewer registers: 2840 -> 960 B spilled in the register report at 32 tokens, 8 warps; it reloads Wk and
+    # the state; untimed)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
@@ -594,6 +597,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
     "keys_da_rows_block": dict(keys_da_rows_block=True),
     "alpha_grad_kernel": dict(alpha_grad_kernel=True),
+    "slot_bwd_dq_kernel": dict(slot_bwd_dq_kernel=True),
     "slot_bwd_fused_keys": dict(slot_bwd_fused_keys=True),
     "slot_bwd_fused_keys_8warps": dict(slot_bwd_fused_keys=True, slot_bwd_columns=(128, 8)),
 }

@@ -229,6 +229,50 @@ def _rows_side(X, xrow, Y, yrow, S, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, of
 
 
 @triton.jit
+def _rows_setup(G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H: tl.constexpr, GQ: tl.constexpr,
+                M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, LIMIT: tl.constexpr):
+    """A query-block program of the slot backward (`_query_rows`) and its stream chunk: the chunk's gates g, their
+    cumsum a, positions j (real: jr), the causal mask [rows, CS], the block split (a_ref, direct), the factored
+    slot weights kw [CS, M], the rows' decays a_in from the block start, the key rows krow and the state index st."""
+    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
+    c = t0 // CSZ
+    cs0 = c * CSZ
+    off = t0 - cs0
+    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
+    causal = tl.arange(0, CSZ)[None, :] <= (off + tok)[:, None]
+    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    st = pid_bh.to(tl.int64) * (NCH + 1) + c
+    return pid_bh, b, h, t0, tok, t, tv, hq, cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st
+
+
+@triton.jit
+def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
+             cs0, off, tok, T, W, D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
+             CSZ: tl.constexpr, SPREC: tl.constexpr):
+    """dq (slot part) of the block's rows from their weights wk = scale dl: wk e^(a_u) . Sk (the state before the
+    chunk) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes."""
+    offs_u = tl.arange(0, CSZ)
+    offs_c = tl.arange(0, BD)
+    offs_m = tl.arange(0, M)
+    bk = tl.where(causal, dot_f32(wk * tl.exp(a_in), tl.trans(kw), SPREC), 0.0)
+    if direct:
+        cum = tl.zeros([M], dtype=tl.float32)
+        for jj in range(CQB):
+            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
+                                               tok >= jj, M, M)
+            bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
+    wc = wk * tl.exp(a_in + a_ref[None, :])
+    for d0 in range(0, D, BD):
+        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
+        dq = dot_f32(wc, skd, SPREC) + dot_xb(bk, kd.to(tl.float32), SPREC)
+        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq.to(DQ.dtype.element_ty), mask=tv[:, None])
+
+
+@triton.jit
 def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV,
@@ -236,11 +280,13 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, DQ_HERE: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product."""
-    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
+    added in place; BT: a power of two >= CQB, the tokens of the E product; dq here if DQ_HERE, else by
+    `_slot_dq_kernel` from the stored Wk (CONFIG["slot_bwd_dq_kernel"])."""
+    pid_bh, b, h, t0, tok, t, tv, hq, cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _rows_setup(
+        G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H, GQ, M, CQB, CSZ, BR, LIMIT)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
     q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
@@ -249,21 +295,8 @@ def _rows_kernel(
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
     lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
-
-    c = t0 // CSZ
-    cs0 = c * CSZ
-    off = t0 - cs0
-    offs_u = tl.arange(0, CSZ)
-    g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
-    causal = offs_u[None, :] <= (off + tok)[:, None]
-    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
-    kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
-    e_in = tl.exp(a_in)
     e_car = tl.exp(a_in + a_ref[None, :])
-    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
-    st = pid_bh.to(tl.int64) * (NCH + 1) + c
 
     # logits (before scale) and dP, one side after the other
     lraw = _rows_side(Q, row, K, krow, SK, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw,
@@ -289,20 +322,28 @@ def _rows_kernel(
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
-    # dq (slot part)
-    bk = tl.where(causal, dot_f32(wk * e_in, tl.trans(kw), SPREC), 0.0)
-    if direct:
-        cum = tl.zeros([M], dtype=tl.float32)
-        for jj in range(CQB):
-            e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
-                                               tok >= jj, M, M)
-            bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
-    wc = wk * e_car
-    for d0 in range(0, D, BD):
-        kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        dq = dot_f32(wc, skd, SPREC) + dot_xb(bk, kd.to(tl.float32), SPREC)
-        tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq.to(DQ.dtype.element_ty), mask=tv[:, None])
+    if DQ_HERE:
+        _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t,
+                 sg_h, cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
+
+
+@triton.jit
+def _slot_dq_kernel(
+    DQ, K, G, MASK, SK, WK,
+    sq_b, sq_t, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h,
+    T, W, NCH,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
+    CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
+):
+    """dq (slot part) per query block from the Wk the rows kernel stored: its last phase as a kernel of its own,
+    so the rows kernel's registers hold less (without it the register report's spills fall 2840 -> 960 B)."""
+    pid_bh, b, h, t0, tok, t, tv, hq, cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _rows_setup(
+        G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H, GQ, M, CQB, CSZ, BR, LIMIT)
+    lrow = (b * T + t).to(tl.int64) * HQ + hq
+    wk = tl.load(WK + lrow[:, None] * M + tl.arange(0, M)[None, :], mask=tv[:, None], other=0.0)
+    row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
+    _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
+             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
 
 
 @triton.jit
@@ -621,9 +662,16 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
+        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, DQ_HERE=not CONFIG["slot_bwd_dq_kernel"],
+        **rows_common,
     )
     launched("slot bwd rows")
+    if CONFIG["slot_bwd_dq_kernel"]:
+        _slot_dq_kernel[(triton.cdiv(T, rows_bq), B * H)](
+            dq, p.k, p.log_alpha, p.mask, sk, wk, p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1),
+            p.k.stride(2), *sg, T, W, n, D=D, **rows_common,
+        )
+        launched("slot bwd dq")
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
     ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
