@@ -716,8 +716,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     dv[:, max(T - W, 0):] = 0
     if not fused:
         bm = min(M, CONFIG.get("keys_da_slots") or M)
-        da_launch = dict(keys_common, CQB=rows_bq, BR=rows_common["BR"], num_warps=rows_common["num_warps"]) \
-            if CONFIG["keys_da_rows_block"] else keys_common
+        da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
         _keys_da_kernel[(n, B * H, M // bm)](
             p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
             D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
