@@ -229,12 +229,11 @@ def _rows_side(X, xrow, Y, yrow, S, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, of
 
 
 @triton.jit
-def _rows_setup(G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H: tl.constexpr, GQ: tl.constexpr,
-                M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, LIMIT: tl.constexpr):
-    """A query-block program of the slot backward (`_query_rows`) and its stream chunk: the chunk's gates g, their
-    cumsum a, positions j (real: jr), the causal mask [rows, CS], the block split (a_ref, direct), the factored
-    slot weights kw [CS, M], the rows' decays a_in from the block start, the key rows krow and the state index st."""
-    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
+def _block_chunk(G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH,
+                 GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
+    """The stream chunk of a query-block program (`_query_rows`): its start cs0, the block's offset in it, the
+    positions j (real: jr), the causal mask [rows, CS], the block split (a_ref, direct), the factored slot weights
+    kw [CS, M], the rows' decays a_in from the block start, the key rows krow and the state index st."""
     c = t0 // CSZ
     cs0 = c * CSZ
     off = t0 - cs0
@@ -245,7 +244,7 @@ def _rows_setup(G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H: tl.co
     a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
     st = pid_bh.to(tl.int64) * (NCH + 1) + c
-    return pid_bh, b, h, t0, tok, t, tv, hq, cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st
+    return cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st
 
 
 @triton.jit
@@ -285,8 +284,7 @@ def _rows_kernel(
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
     added in place; BT: a power of two >= CQB, the tokens of the E product; dq here if DQ_HERE, else by
     `_slot_dq_kernel` from the stored Wk (CONFIG["slot_bwd_dq_kernel"])."""
-    pid_bh, b, h, t0, tok, t, tv, hq, cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _rows_setup(
-        G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H, GQ, M, CQB, CSZ, BR, LIMIT)
+    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
     q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
@@ -295,6 +293,8 @@ def _rows_kernel(
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
     lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
+    cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _block_chunk(
+        G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT)
     e_car = tl.exp(a_in + a_ref[None, :])
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
 
@@ -337,8 +337,9 @@ def _slot_dq_kernel(
 ):
     """dq (slot part) per query block from the Wk the rows kernel stored: its last phase as a kernel of its own,
     so the rows kernel's registers hold less (without it the register report's spills fall 2840 -> 960 B)."""
-    pid_bh, b, h, t0, tok, t, tv, hq, cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _rows_setup(
-        G, MASK, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, H, GQ, M, CQB, CSZ, BR, LIMIT)
+    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
+    cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _block_chunk(
+        G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT)
     lrow = (b * T + t).to(tl.int64) * HQ + hq
     wk = tl.load(WK + lrow[:, None] * M + tl.arange(0, M)[None, :], mask=tv[:, None], other=0.0)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
