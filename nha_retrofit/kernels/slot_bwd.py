@@ -10,13 +10,15 @@ log gate of the stream, s = 1 - alpha the write weight, l the slot logits, P = e
     d/dA_n = <dSk_n, Sk_n> + <dSv_n, Sv_n> - s_n (<dK~_n, k_n> + <dV~_n, v_n>),
     dlog_alpha_j = sum_{n >= j} d/dA_n - alpha_j (<dK~_j, k_j> + <dV~_j, v_j>)   (real tokens only).
 
-Every operand of a D-sized product is taken in column passes of BD = 64, so no [64 x 128] fp32 tile is live.
+The rows and keys_da kernels take their D-sized products in column passes of BD = 64; the state_grad and keys
+kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all of D = 128 in one program).
 
 - `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
   the slot logits and dP = dO . Sv_u, completes the exact delta = sum P * dP (the window share comes from
-  `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient per
-  row, E[u] = sum_g (dl * l + P * dP) (summed over a token's G heads by a 0/1 selection product) and the row
-  weights Wk = scale dl, Wv = P. No atomics.
+  `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part; or `_slot_dq_kernel` after
+  it with CONFIG["slot_bwd_dq_kernel"]), the slot_bias gradient per row, E[u] = sum_g (dl * l + P * dP)
+  (summed over a token's G heads by a 0/1 selection product) and the row weights Wk = scale dl, Wv = P. No
+  atomics.
 - `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns): the chunk's contribution to the
   gradient w.r.t. the state before it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
 - `reverse_scan` (`_rev_scan_kernel` or the two-level scan of `chunk_scan.py`): the state gradients after each
@@ -24,7 +26,7 @@ Every operand of a D-sized product is taken in column passes of BD = 64, so no [
 - `_keys_kernel`, per (chunk, kv head, BD columns): dk and dv = to_end R + sum over the chunk's query blocks of
   (slot-weighted W, causal)^T Y, both in one pass.
 - `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term;
-  a suffix sum in PyTorch finishes dlog_alpha.
+  a suffix sum finishes dlog_alpha (PyTorch ops, or `_alpha_grad_kernel` with CONFIG["alpha_grad_kernel"]).
 - `_keys_side_kernel` (CONFIG["slot_bwd_fused_keys"]), per (chunk, kv head), two launches: the keys and keys_da
   work of one side (q, k, Wk or dO, v, Wv) in one pass over the row blocks.
 Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
