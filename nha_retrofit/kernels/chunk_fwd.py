@@ -184,11 +184,17 @@ def _block_split(g, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constex
 
 
 @triton.jit
+def _cumsum_row(a, u, CSZ: tl.constexpr):
+    """Row u of the chunk's gate cumsum a [CS, M] (zeros for u = -1: nothing before the chunk's first token)."""
+    return tl.sum(tl.where(tl.arange(0, CSZ)[:, None] == u, a, 0.0), 0)
+
+
+@triton.jit
 def _block_split_cumsum(a, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
     """`_block_split` from the gates' cumsum a [CS, M] instead of the gates (a kernel that keeps only a live)."""
     offs_u = tl.arange(0, CSZ)
-    a_ref = tl.sum(tl.where(offs_u[:, None] == off - 1, a, 0.0), 0)
-    a_last = tl.sum(tl.where(offs_u[:, None] == off + CQB - 1, a, 0.0), 0)
+    a_ref = _cumsum_row(a, off - 1, CSZ)
+    a_last = _cumsum_row(a, off + CQB - 1, CSZ)
     before = offs_u < off
     inside = (offs_u >= off) & (offs_u < off + CQB)
     decay = tl.max(a_ref - a_last, 0)

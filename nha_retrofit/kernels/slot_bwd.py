@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (CONFIG, CS, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _query_rows, _row_decay, _row_stats, alloc, kv_states, launched, scan_tile)
+                        _cumsum_row, _query_rows, _row_decay, _row_stats, alloc, kv_states, launched, scan_tile)
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
@@ -431,7 +431,7 @@ def _keys_da_kernel(
         vd = tl.load(V + vrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         rvd = tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + d0 + offs_c[None, :])
         uv += dot_xa(vd.to(tl.float32), tl.trans(rvd), SPREC)
-    a_end = tl.sum(tl.where(offs_u[:, None] == CSZ - 1, a, 0.0), 0)
+    a_end = _cumsum_row(a, CSZ - 1, CSZ)
     uv = uv * tl.exp(a_end[None, :] - a)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
@@ -597,7 +597,7 @@ def _keys_side_kernel(
     x = tl.load(X + (b * sx_b + j.to(tl.int64) * sx_t + h * sx_h)[:, None] + offs_c[None, :], mask=jr[:, None],
                 other=0.0)
     # the gates are not used after this point (the split comes from their cumsum a; reloaded at the end)
-    a_end = tl.sum(tl.where(tl.arange(0, CSZ)[:, None] == CSZ - 1, a, 0.0), 0)
+    a_end = _cumsum_row(a, CSZ - 1, CSZ)
     uv = dot_xa(x.to(tl.float32), tl.trans(r_tile), SPREC) * tl.exp(a_end[None, :] - a)  # [CS, M]
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
