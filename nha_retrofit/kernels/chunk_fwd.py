@@ -495,7 +495,8 @@ def kv_states(p, initial_keys=None, initial_values=None):
 
 
 CONFIG = {
-    "num_warps_64": 8, "num_warps_128": 8, "num_stages": 2,  # launch settings of the fused kernel
+    "num_warps_64": 8, "num_warps_128": 8, "num_stages": 3,  # launch settings of the fused kernel (3 stages
+    # were 0.04 ms faster than 2 per 32K forward on the H200 in three calls, NOTES.md session 8; smem 48 -> 64 KB)
     "slot_precision": "bf16x3",  # its fp32 slot products (products.py: bf16x3, tf32x3, tf32; bf16x3 was 1.3 ms
     # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
     "fwd_block": None,  # query tokens per program of the fused kernel (a power of two <= CS; None: fwd_block(G))
@@ -521,23 +522,15 @@ CONFIG = {
     # loads the chunk's [M, D] states, as the forward's do; 32 tokens with 8 warps were 0.2-0.3 ms faster per
     # 32K step than 16 with 4 on the H200, NOTES.md session 7)
     "slot_bwd_rows_warps": 8,  # warps of its rows kernel (None: slot_bwd_warps)
-    "slot_bwd_dq_kernel": False,  # the slot part of dq in a kernel of its own after the rows kernel (which then
-    # holds fewer registers: 2840 -> 960 B spilled in the register report at 32 tokens, 8 warps; it reloads Wk and
-    # the state; untimed)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
     # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
     # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
-    "slot_bwd_fused_keys": False,  # the keys and keys_da kernels as one pass per side (q/k/Wk, dO/v/Wv) over the
-    # chunk's row blocks, sharing their weights and loads (D, DV <= slot_bwd_columns, M <= 64; untimed)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
     "keys_da_rows_block": False,  # True: keys_da takes the rows kernel's blocks and warps (its UV and the rows
     # kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their rounding alike: fp32 error
     # 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
-    "alpha_grad_kernel": False,  # the log_alpha gradient's suffix sum, shift and mask in one Triton kernel instead
-    # of ~8 PyTorch kernels (strided copies, a full-length scan: part of the ~0.9 ms of PyTorch kernels per 32K
-    # step on the H200; untimed)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
     "window_bwd_block": 32,  # query tokens per block of the window backward's dq and delta kernels (None:
@@ -575,7 +568,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_block16": dict(fwd_block=16),
     "fwd_rows256": dict(fwd_rows=256),
     "fwd_warps4": dict(num_warps_64=4),
-    "fwd_stages3": dict(num_stages=3),
+    "fwd_stages2": dict(num_stages=2),
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "save_states": dict(save_states=True),
@@ -602,10 +595,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
     "keys_da_rows_block": dict(keys_da_rows_block=True),
-    "alpha_grad_kernel": dict(alpha_grad_kernel=True),
-    "slot_bwd_dq_kernel": dict(slot_bwd_dq_kernel=True),
-    "slot_bwd_fused_keys": dict(slot_bwd_fused_keys=True),
-    "slot_bwd_fused_keys_8warps": dict(slot_bwd_fused_keys=True, slot_bwd_columns=(128, 8)),
 }
 
 

@@ -65,6 +65,7 @@ def cases(HQ, H, D, M):
     out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
             ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2)]
     auto = cf.fwd_block(G)
+    stages = cf.CONFIG["num_stages"]
     for cq, sprec, vprec in [(auto, "tf32x3", "tf32x3"), (auto, "bf16x3", "bf16x3"), (auto, "tf32x3", "tf32"),
                              (auto, "tf32", "tf32"), (16, "bf16x3", "bf16x3"), (8, "tf32x3", "tf32")]:
         br = max(16, pow2(cq * G))
@@ -73,11 +74,11 @@ def cases(HQ, H, D, M):
                       BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
                       LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False)
-        out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, 2))
+        out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
-                        dict(consts, SLOTS_FIRST=True), warps, 2))
-    out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, 2))
+                        dict(consts, SLOTS_FIRST=True), warps, stages))
+    out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, stages))
     for cq in (window_bwd.CQ, 32):
         br = max(16, pow2(cq * G))
         wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=64 if br <= 64 else 32, PREC="tf32",
@@ -107,10 +108,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         common = constants(bq, sprec, 64)
         tag = f"block={bq} {sprec}"
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", DQ_HERE=True), warps, 1),
-                (f"slot bwd rows without dq {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", DQ_HERE=False), warps, 1),
-                (f"slot bwd dq {tag}", slot_bwd._slot_dq_kernel, dict(common, D=D), warps, 1),
+                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
@@ -126,10 +124,6 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1)]
-        if D <= 128 and M <= 64:  # CONFIG["slot_bwd_fused_keys"]
-            side = {k: v for k, v in common.items() if k != "BD"}
-            out.append((f"slot bwd keys_side {tag}", slot_bwd._keys_side_kernel,
-                        dict(side, DX=D, PREC="tf32", LAST=True), warps, 1))
     return out
 
 

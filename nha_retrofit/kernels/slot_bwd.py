@@ -15,10 +15,9 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
 
 - `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
   the slot logits and dP = dO . Sv_u, completes the exact delta = sum P * dP (the window share comes from
-  `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part; or `_slot_dq_kernel` after
-  it with CONFIG["slot_bwd_dq_kernel"]), the slot_bias gradient per row, E[u] = sum_g (dl * l + P * dP)
-  (summed over a token's G heads by a 0/1 selection product) and the row weights Wk = scale dl, Wv = P. No
-  atomics.
+  `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient
+  per row, E[u] = sum_g (dl * l + P * dP) (summed over a token's G heads by a 0/1 selection product) and the row
+  weights Wk = scale dl, Wv = P. No atomics.
 - `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns): the chunk's contribution to the
   gradient w.r.t. the state before it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
 - `reverse_scan` (`_rev_scan_kernel` or the two-level scan of `chunk_scan.py`): the state gradients after each
@@ -26,9 +25,8 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
 - `_keys_kernel`, per (chunk, kv head, BD columns): dk and dv = to_end R + sum over the chunk's query blocks of
   (slot-weighted W, causal)^T Y, both in one pass.
 - `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term;
-  a suffix sum finishes dlog_alpha (PyTorch ops, or `_alpha_grad_kernel` with CONFIG["alpha_grad_kernel"]).
-- `_keys_side_kernel` (CONFIG["slot_bwd_fused_keys"]), per (chunk, kv head), two launches: the keys and keys_da
-  work of one side (q, k, Wk or dO, v, Wv) in one pass over the row blocks.
+  `_alpha_grad_kernel` finishes dlog_alpha (per chunk a reverse cumsum plus the later chunks' sum, shifted by
+  the window, masked, transposed).
 Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
@@ -281,11 +279,10 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, DQ_HERE: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product; dq here if DQ_HERE, else by
-    `_slot_dq_kernel` from the stored Wk (CONFIG["slot_bwd_dq_kernel"])."""
+    added in place; BT: a power of two >= CQB, the tokens of the E product."""
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
@@ -324,27 +321,6 @@ def _rows_kernel(
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
-    if DQ_HERE:
-        _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t,
-                 sg_h, cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
-
-
-@triton.jit
-def _slot_dq_kernel(
-    DQ, K, G, MASK, SK, WK,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h,
-    T, W, NCH,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
-    CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
-):
-    """dq (slot part) per query block from the Wk the rows kernel stored: its last phase as a kernel of its own,
-    so the rows kernel's registers hold less (without it the register report's spills fall 2840 -> 960 B)."""
-    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
-    cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _block_chunk(
-        G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT)
-    lrow = (b * T + t).to(tl.int64) * HQ + hq
-    wk = tl.load(WK + lrow[:, None] * M + tl.arange(0, M)[None, :], mask=tv[:, None], other=0.0)
-    row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
 
@@ -490,25 +466,19 @@ def _alpha_grad_kernel(DA, XA, CARRY, MASK, DLA, sd_b, sd_t, sd_h, T, W, NCH, L,
 
 def _log_alpha_grad(p, dA, xa):
     """d log_alpha [B, T, H, M] from the keys_da outputs [B, H, L, M] over stream positions u = j + W: the
-    suffix sum of dA plus xa, shifted back by the window; padding rows get none. One kernel with
-    CONFIG["alpha_grad_kernel"] (per chunk: a reverse cumsum plus the later chunks' sum), else PyTorch ops."""
-    T, W = p.T, p.W
-    if CONFIG["alpha_grad_kernel"]:
-        B, H, L, M = dA.shape
-        n = L // CS
-        totals = dA.view(B, H, n, CS, M).sum(3)
-        carry = suffix_sum(totals, 2) - totals  # the chunks after each chunk
-        dla = torch.zeros(B, T, H, M, dtype=torch.float32, device=dA.device)
-        bm = min(M, 64)
-        _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, carry.contiguous(), p.mask, dla, *dla.stride()[:3], T, W,
-                                                n, L, H=H, M=M, CSZ=CS, BM=bm)
-        launched("alpha grad")
-        return dla
-    dga = suffix_sum(dA, 2) + xa
-    dla = torch.zeros(p.B, T, p.H, p.M, dtype=torch.float32, device=dA.device)
-    if T > W:
-        dla[:, : T - W] = dga[:, :, W:T].permute(0, 2, 1, 3)
-    return dla * p.mask.bool()[:, :, None, None]
+    suffix sum of dA plus xa, shifted back by the window; padding rows get none. One kernel: per chunk a reverse
+    cumsum plus the later chunks' sum (one kernel instead of ~8 PyTorch ops: 0.65 ms less per 32K step on the
+    H200, NOTES.md session 8)."""
+    B, H, L, M = dA.shape
+    n = L // CS
+    totals = dA.view(B, H, n, CS, M).sum(3)
+    carry = suffix_sum(totals, 2) - totals  # the chunks after each chunk
+    dla = torch.zeros(B, p.T, H, M, dtype=torch.float32, device=dA.device)
+    bm = min(M, 64)
+    _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, carry.contiguous(), p.mask, dla, *dla.stride()[:3], p.T, p.W,
+                                            n, L, H=H, M=M, CSZ=CS, BM=bm)
+    launched("alpha grad")
+    return dla
 
 
 @triton.jit
@@ -576,52 +546,6 @@ def _keys_kernel(
         _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
 
 
-@triton.jit
-def _keys_side_kernel(
-    Y, X, WST, R, G, MASK, OUT, E, UVB, DA, XA,
-    sy_b, sy_t, sx_b, sx_t, sx_h, so_b, so_t, so_h, sg_b, sg_t, sg_h,
-    T, W, NCH, L,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
-    CSZ: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
-    LAST: tl.constexpr,
-):
-    """One side of the keys kernel and of the keys_da kernel in one pass over the chunk's row blocks, all DX
-    columns per program (axes: chunk, batch x kv head): (Y, X, W, R) = (q, k, Wk, Rk) gives dk and the k side of
-    UV, (dO, v, Wv, Rv) dv and the v side; the two share the row blocks' weights and Y loads. The first side
-    (LAST False) stores its UV share in UVB; the second adds it and stores DA and XA (`_store_da`)."""
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ,
-                                                                       DX)
-    offs_m = tl.arange(0, M)
-    r_tile = tl.load(R + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :])
-    acc = dot_f32(to_end, r_tile, SPREC)  # [CS, DX]
-    x = tl.load(X + (b * sx_b + j.to(tl.int64) * sx_t + h * sx_h)[:, None] + offs_c[None, :], mask=jr[:, None],
-                other=0.0)
-    # the gates are not used after this point (the split comes from their cumsum a; reloaded at the end)
-    a_end = _cumsum_row(a, CSZ - 1, CSZ)
-    uv = dot_xa(x.to(tl.float32), tl.trans(r_tile), SPREC) * tl.exp(a_end[None, :] - a)  # [CS, M]
-    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
-    for blk in range(CSZ // CQB):
-        off = blk * CQB
-        a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)
-        t, tv, causal, kw, w, unused_w, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
-                                                          factored, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ,
-                                                          True, False)
-        bw, unused_b = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, w, w, direct,
-                                      T, W, M, CQB, CSZ, SPREC, True, False)
-        y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
-        acc += dot_xb(tl.trans(bw), y.to(tl.float32), SPREC)
-        xy = tl.where(tl.trans(causal), tl.dot(x, tl.trans(y), input_precision=PREC), 0.0)
-        uv += _da_block(xy, w, a_in, a, a_ref, factored, direct, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, T, W,
-                        M, CQB, CSZ, SPREC)
-    _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W)
-    uv_off = (pid_bh.to(tl.int64) * L + cs0 + tl.arange(0, CSZ))[:, None] * M + offs_m[None, :]
-    if LAST:
-        g, _, _, _ = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
-        _store_da(E, DA, XA, uv + tl.load(UVB + uv_off), g, jr, pid_bh, cs0, offs_m, T, L, M, CSZ)
-    else:
-        tl.store(UVB + uv_off, uv)
-
-
 def launch_shape():
     """(row-block tokens, warps) of the slot backward: CONFIG["slot_bwd_block"], CONFIG["slot_bwd_warps"]."""
     return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
@@ -665,16 +589,9 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, DQ_HERE=not CONFIG["slot_bwd_dq_kernel"],
-        **rows_common,
+        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
-    if CONFIG["slot_bwd_dq_kernel"]:
-        _slot_dq_kernel[(triton.cdiv(T, rows_bq), B * H)](
-            dq, p.k, p.log_alpha, p.mask, sk, wk, p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1),
-            p.k.stride(2), *sg, T, W, n, D=D, **rows_common,
-        )
-        launched("slot bwd dq")
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
     ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
@@ -690,20 +607,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     dv = alloc(B, T, H, DV, dtype=f32, device=dev)
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
-    # keys and keys_da in one pass per side (CONFIG["slot_bwd_fused_keys"]) when a program can take all columns
-    fused = CONFIG["slot_bwd_fused_keys"] and T > W and max(D, DV) <= cols and M <= 64
-    if fused:
-        uv_k = alloc(B, H, L, M, dtype=f32, device=dev)
-        for y, x, wst, r, out, dx, last in ((p.q, p.k, wk, rk, dk, D, False), (do, p.v, wv, rv, dv, DV, True)):
-            _keys_side_kernel[(n, B * H)](
-                y, x, wst, r, p.log_alpha, p.mask, out, E, uv_k, dA, xa, y.stride(0), y.stride(1), x.stride(0),
-                x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), *sg, T, W, n, L,
-                HQ=HQ, H=H, GQ=G, DX=dx, M=M, CQB=bq, CSZ=CS, BR=BR, PREC=p.prec, SPREC=sprec,
-                LIMIT=CONFIG["block_factor_limit"], LAST=last, num_warps=keys_launch["num_warps"],
-                num_stages=CONFIG["slot_bwd_stages"],
-            )
-            launched("slot bwd keys_side")
-    elif T > W:
+    if T > W:
         kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
                 dv.stride(0), dv.stride(1), dv.stride(2), *sg)
         merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
@@ -717,13 +621,12 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     # rows of tokens j >= T - W are read by no query: zero (the keys kernel stores j < T - W only)
     dk[:, max(T - W, 0):] = 0
     dv[:, max(T - W, 0):] = 0
-    if not fused:
-        bm = min(M, CONFIG.get("keys_da_slots") or M)
-        da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
-        _keys_da_kernel[(n, B * H, M // bm)](
-            p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
-            D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
-        )
-        launched("slot bwd keys_da")
+    bm = min(M, CONFIG.get("keys_da_slots") or M)
+    da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
+    _keys_da_kernel[(n, B * H, M // bm)](
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
+        D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
+    )
+    launched("slot bwd keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
 
