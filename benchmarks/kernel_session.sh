@@ -46,7 +46,8 @@ GSA_ARGS=(benchmarks/ops.py --skip nha,nha_graph,sdpa,fla_window,decode --length
 # GSA_WARM=1: fla's GSA runs once in the background from the start, so its minutes of autotuning (Triton compiling
 # 36 configurations per kernel on the CPU, fla keeps the results in Triton's on-disk cache) overlap the tests, which
 # leave the GPU mostly idle; the timed gsa step at the end finds the tuned kernels. (The tuning itself is measured
-# beside the tests' small launches: a config choice may suffer, the timed step does not.)
+# beside the tests' small launches: a config choice may suffer, the timed step does not.) Every timed step waits
+# for it: session 8 timed variants beside a tuning still running and got 2x noise (NOTES.md).
 if [ "${GSA_WARM:-0}" = 1 ]; then
   timeout -k 5 "$BUDGET" nice $PY "${GSA_ARGS[@]}" --out-dir "$OUT/gsa_warm" > "$OUT/gsa_warm.log" 2>&1 &
   GSA_WARM_PID=$!
@@ -60,12 +61,15 @@ DEFAULT_VARIANTS=$DEFAULT_VARIANTS,scan_segment_32,bwd_tf32,window_dkv_8warps,sl
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_block8,slot_bwd_block32,keys_da_32slots,fwd_block16,fwd_rows256
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,window_bwd_block32,window_bwd_block16,slot_bwd_rows16,slot_bwd_rows32_4warps
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_rows16_8warps,slot_bwd_keys_block8,slot_bwd_columns64
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_columns128_8warps,separate_kv_states,slot_bwd_split_keys,fwd_stages3
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_stages2,keys_da_8warps
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_fused_keys,slot_bwd_fused_keys_8warps,keys_da_rows_block,alpha_grad_kernel
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_dq_kernel
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_columns128_8warps,separate_kv_states,slot_bwd_split_keys,fwd_stages2
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_stages2,keys_da_8warps,keys_da_rows_block
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "not config_variants"
+if [ -n "${GSA_WARM_PID:-}" ]; then  # no timing beside the warm-up: let it finish (or give up) first
+  t=$(left); [ "$t" -gt 0 ] && timeout "$t" tail --pid="$GSA_WARM_PID" -f /dev/null
+  kill "$GSA_WARM_PID" 2>/dev/null
+  echo "== gsa warm-up done at $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"
+fi
 step parts_variants "${CAP_PARTS:-150}" $PY benchmarks/ops.py --parts --variant-lengths 32768,8192 --lengths 2048 \
   --variants "$VARIANTS" \
   --skip nha,nha_graph,sdpa,decode --out-dir "$OUT/parts"
@@ -76,11 +80,11 @@ step tests_variants "${CAP_TVARIANTS:-100}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}"
 step e2e "${CAP_E2E:-0}" $PY benchmarks/e2e_model.py
 # fla's GSA alone (it autotunes for minutes on first use, per length: by default only the issue's 32K anchor;
 # ops.py saves after every measurement)
-if [ -n "${GSA_WARM_PID:-}" ]; then  # the warm-up must have finished (or given up) before the timed run
-  t=$(left); [ "$t" -gt 0 ] && timeout "$t" tail --pid="$GSA_WARM_PID" -f /dev/null
-  kill "$GSA_WARM_PID" 2>/dev/null
-fi
 step gsa "${CAP_GSA:-0}" $PY "${GSA_ARGS[@]}" --out-dir "$OUT/gsa"
+if [ -f "$OUT/ops_h200.json" ] && [ -f "$OUT/gsa/ops_h200.json" ]; then  # one table with the GSA column
+  $PY benchmarks/ops.py --merge "$OUT/ops_h200.json" "$OUT/gsa/ops_h200.json" --out-dir "$OUT" \
+    --lengths "${OPS_LENGTHS:-2048,4096,8192,16384,32768,65536}" --device "$(cut -d, -f1 "$OUT/device.txt" | head -1)"
+fi
 
 {
   echo; echo "# summary"

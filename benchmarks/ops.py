@@ -8,6 +8,7 @@ benchmarks/results/ops_h200.md.
 
     python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
     python benchmarks/ops.py --parts --variants all   # stages at 32K; CONFIG variants side by side
+    python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two steps of a session
 """
 
 import argparse
@@ -236,8 +237,15 @@ def main():
                     help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side "
                     "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="time nothing: merge these runs' records (later files win for the same impl, T, window, "
+                    "mode; e.g. the fla_gsa step of the same session) into --out-dir, for --device")
+    ap.add_argument("--device", default="NVIDIA H200", help="the machine named in a --merge table")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.merge:
+        merge_runs(args.merge, args.out_dir, lengths, args.device)
+        return
     skip = set(args.skip.split(",")) if args.skip else set()
     try:
         import fla  # noqa: F401
@@ -316,6 +324,21 @@ def main():
             record("fla_gsa", T, 64, mode, lambda: run_fla_gsa(T, mode))
     print(f"bench wall {time.time() - t_start:.0f} s")
     print(save())
+
+
+def merge_runs(paths, out_dir, lengths, device):
+    """Write the records of several runs as one ops_h200.json / .md (later files win for the same key)."""
+    merged = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f):
+                merged[(r["impl"], r["T"], r["window"], r["mode"])] = r
+    records = list(merged.values())
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "ops_h200.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    with open(os.path.join(out_dir, "ops_h200.md"), "w") as f:
+        f.write(table(records, lengths, device))
 
 
 def table(records, lengths, device):
