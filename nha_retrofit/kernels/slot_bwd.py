@@ -326,12 +326,23 @@ def _rows_kernel(
 
 
 @triton.jit
-def _da_block(xy, w, a_in, a, a_ref, factored, direct, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, T, W,
-              BM: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr):
+def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, a_in, a,
+             a_ref, factored, direct, T, W, DX: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+             CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
     """A query block's share of one side of UV (q with the chunk's k and Wk, or dO with v and Wv), [CS, BM]:
-    sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j), from xy = X Y^T [CS, rows] (causal,
-    transposed: no fp32 transpose for the product) and the rows' weights w [rows, BM]."""
+    sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j), from xy = X Y^T [CS, rows] (formed in
+    BD-column passes, causal, transposed: no fp32 transpose for the product) and the rows' weights w [rows, BM].
+    The keys_da kernel runs the two sides one after the other, so only one [CS, rows] product and one weight
+    tile are live at a time."""
+    offs_c = tl.arange(0, BD)
     offs_u = tl.arange(0, CSZ)
+    xy = tl.zeros([CSZ, BR], dtype=tl.float32)
+    for d0 in range(0, DX, BD):
+        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
+        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
+        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
+    xy = tl.where(tl.trans(causal), xy, 0.0)
+    w = tl.load(WST + w_off, mask=tv[:, None], other=0.0)
     out = dot_f32(xy, w * tl.exp(a_in), SPREC) * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
     if direct:  # the block's own tokens
         cum = tl.zeros([BM], dtype=tl.float32)
@@ -341,23 +352,6 @@ def _da_block(xy, w, a_in, a, a_ref, factored, direct, GB, MASK, b, h, sg_b, sg_
             row_j = tl.sum(tl.sum(tl.where(offs_u[:, None] == off + jj, xy, 0.0), 0)[:, None] * w * e_j, 0)
             out += tl.where(offs_u[:, None] == off + jj, row_j[None, :], 0.0)
     return out
-
-
-@triton.jit
-def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, a_in, a,
-             a_ref, factored, direct, T, W, DX: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-             CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
-    """`_da_block` with the product formed in BD-column passes and the weights loaded. The keys_da kernel runs
-    the two sides one after the other, so only one [CS, rows] product and one weight tile are live at a time."""
-    offs_c = tl.arange(0, BD)
-    xy = tl.zeros([CSZ, BR], dtype=tl.float32)
-    for d0 in range(0, DX, BD):
-        yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
-    w = tl.load(WST + w_off, mask=tv[:, None], other=0.0)
-    return _da_block(tl.where(tl.trans(causal), xy, 0.0), w, a_in, a, a_ref, factored, direct, GB, MASK, b, h,
-                     sg_b, sg_t, sg_h, cs0, off, tok, T, W, BM, CQB, CSZ, SPREC)
 
 
 @triton.jit
