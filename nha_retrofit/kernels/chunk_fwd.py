@@ -101,11 +101,12 @@ def _chunk_update_kernel(
     b = pid_bh // H
     h = pid_bh % H
     offs_d = pid_d * BD + tl.arange(0, BD)
+    dmask = offs_d < DX
     offs_m = tl.arange(0, M)
     wgt, a_last, j, jr = _chunk_weights(G, MASK, b, h, c, sg_b, sg_t, sg_h, T, W, offs_m, CSZ)
-    upd = _chunk_update(X, X2, stream == 1, wgt, j, jr, b, h, sx_b, sx_t, sx_h, offs_d, offs_d < DX, PREC)
+    upd = _chunk_update(X, X2, stream == 1, wgt, j, jr, b, h, sx_b, sx_t, sx_h, offs_d, dmask, PREC)
     base = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * (NCH + 1) + c + 1
-    tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=(offs_d < DX)[None, :])
+    tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
     if tl.program_id(2) == 0:
         tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, tl.exp(a_last))
 
