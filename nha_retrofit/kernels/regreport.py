@@ -125,7 +125,11 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         tag = f"block={bq} {sprec} columns={min(128, D)}"
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
-                 dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1)]
+                 dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
+                (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,  # CONFIG["slot_bwd_merge_keys"] False
+                 dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
+                (f"slot bwd keys (dv only) {tag}", slot_bwd._keys_kernel,
+                 dict(common, D=D, DV=D, DO_K=False, DO_V=True), warps, 1)]
     return out
 
 
