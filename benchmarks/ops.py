@@ -138,7 +138,9 @@ def run_fla_gsa(T, mode):
 
 
 def run_decode(layers=28, window=64):
-    """Per-token time of the decode step for `layers` NHA layers (full window, filled slots), batch 1."""
+    """Per-token time of the decode step for `layers` NHA layers (full window, filled slots), batch 1: eager and
+    graph-replayed. Each step updates the states in place (the ring's oldest entry absorbed and overwritten), so
+    a replay is a real generation step, state update included."""
     g = torch.Generator(device="cuda").manual_seed(4)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
     states, tokens = [], []

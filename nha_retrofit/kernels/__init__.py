@@ -4,7 +4,7 @@
   same function as `nha_reference`, differentiable in q, k, v, q_rope, k_rope, log_alpha, slot_bias.
 - `nha_chunked_triton(..., initial_state=None, output_final_state=False) -> (o, NHAState | None)`:
   same contract as `nha_chunked` (prefill with cache; a carried initial state is inference only).
-- `nha_recurrent_step_triton(...)`: same contract as `nha_recurrent_step` (decode step).
+- `nha_recurrent_step_triton(...)`: same contract as `nha_recurrent_step` (decode step, state updated in place).
 - `KERNELS_AVAILABLE`: Triton importable and a CUDA device present.
 
 Shapes the kernels take: head dims and slot count powers of two (16..256), query heads a multiple of kv
@@ -69,8 +69,9 @@ def nha_chunked_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attent
 def nha_recurrent_step_triton(
     q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None
 ):
-    """Same contract as `nha_recurrent_step`: (o [B, 1, HQ, Dv], new NHAState)."""
-    if supported(q, k, v, log_alpha):
+    """Same contract as `nha_recurrent_step`: (o [B, 1, HQ, Dv], the state, updated in place for a finite window;
+    window None, which grows the state, runs in PyTorch)."""
+    if window is not None and supported(q, k, v, log_alpha):
         return _nha_recurrent_step_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, state,
                                           attention_mask, slot_bias)
     return nha_recurrent_step(q, k, v, q_rope, k_rope, log_alpha, window, scale, state, attention_mask, slot_bias)

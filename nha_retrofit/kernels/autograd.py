@@ -63,6 +63,8 @@ def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, atten
     kv_heads, slots = k.shape[2], log_alpha.shape[-1]
     if initial_state is None:
         initial_state = NHAState.empty(batch, kv_heads, slots, head_dim, v.shape[-1], k.dtype, k.device)
+    else:  # a decoded state keeps its window as a ring; prefill reads it oldest first
+        initial_state = initial_state.chronological()
     prefix = initial_state.window_length
     mask = (torch.ones(batch, new_len, dtype=torch.bool, device=q.device) if attention_mask is None
             else attention_mask[:, -new_len:].bool())

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_scan import _tile, segment_buffers, segment_fixup, segmented_chunk_scan
+from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 CS = 64  # tokens per slot-state chunk
@@ -58,31 +58,6 @@ def alloc(*shape, dtype, device):
 
 
 @triton.jit
-def _chunk_weights(G, MASK, b, h, c, sg_b, sg_t, sg_h, T, W, offs_m, CSZ: tl.constexpr):
-    """Stream chunk c's write weights s_j exp(a_last - a_j) [CSZ, slots offs_m] (zero for padding and outside the
-    stream), its summed log gates a_last, and its tokens' positions j and whether they are real (jr)."""
-    j = c * CSZ - W + tl.arange(0, CSZ)
-    jv = (j >= 0) & (j < T - W)
-    jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
-    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                mask=jr[:, None], other=0.0).to(tl.float32)
-    a = tl.cumsum(g, axis=0)
-    a_last = tl.sum(g, axis=0)
-    return tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0), a_last, j, jr
-
-
-@triton.jit
-def _chunk_update(X, X2, second, wgt, j, jr, b, h, sx_b, sx_t, sx_h, offs_d, dmask, PREC: tl.constexpr):
-    """The chunk's update of the state columns offs_d, wgt^T x [slots, columns], x from X (or X2 if `second`)."""
-    x_off = b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :]
-    if second:
-        x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    else:
-        x = tl.load(X + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    return dot_xb(tl.trans(wgt), x, PREC)  # x: upcast inputs, exact in the split format
-
-
-@triton.jit
 def _chunk_update_kernel(
     X, X2, G, MASK, U, DEC,
     sx_b, sx_t, sx_h, sg_b, sg_t, sg_h,
@@ -101,51 +76,28 @@ def _chunk_update_kernel(
     b = pid_bh // H
     h = pid_bh % H
     offs_d = pid_d * BD + tl.arange(0, BD)
-    dmask = offs_d < DX
     offs_m = tl.arange(0, M)
-    wgt, a_last, j, jr = _chunk_weights(G, MASK, b, h, c, sg_b, sg_t, sg_h, T, W, offs_m, CSZ)
-    upd = _chunk_update(X, X2, stream == 1, wgt, j, jr, b, h, sx_b, sx_t, sx_h, offs_d, dmask, PREC)
+    offs_j = tl.arange(0, CSZ)
+    dmask = offs_d < DX
+    j = c * CSZ - W + offs_j
+    jv = (j >= 0) & (j < T - W)
+    real = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
+    jr = jv & real
+    g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
+                mask=jr[:, None], other=0.0).to(tl.float32)
+    a = tl.cumsum(g, axis=0)
+    a_last = tl.sum(g, axis=0)
+    wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
+    x_off = b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :]
+    if stream == 0:
+        x = tl.load(X + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    else:
+        x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    upd = dot_xb(tl.trans(wgt), x, PREC)  # x: upcast inputs, exact in the split format
     base = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * (NCH + 1) + c + 1
     tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
     if tl.program_id(2) == 0:
         tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, tl.exp(a_last))
-
-
-@triton.jit
-def _update_scan_kernel(
-    X, X2, G, MASK, OUT, DEC, END, DPROD,
-    sx_b, sx_t, sx_h, sg_b, sg_t, sg_h,
-    T, W, NCH, NSEG, NBH,
-    H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-    K: tl.constexpr, PREC: tl.constexpr,
-):
-    """The first pass of the segmented state scan (`chunk_scan._segment_scan_kernel`) with the chunk updates
-    formed on the fly instead of read from memory (CONFIG["update_in_scan"]): per (slot x column tile, state
-    row = input x batch x head, segment s), each of the segment's K chunks' update of the tile (as
-    `_chunk_update_kernel`), scanned from zero: OUT row c + 1 of the state row, the segment's end state and decay
-    product into END / DPROD for `chunk_scan.segment_fixup`, and the chunk decays into DEC (first input's first
-    column tile)."""
-    offs_m, offs_d, dmask, tile, first_tile = _tile(M, DX, BM, BD)
-    row = tl.program_id(1)
-    s = tl.program_id(2)
-    pid_bh = row % NBH
-    b = pid_bh // H
-    h = pid_bh % H
-    state = tl.zeros([BM, BD], dtype=tl.float32)
-    prod = tl.full([BM], 1.0, dtype=tl.float32)
-    for c in range(s * K, tl.minimum(s * K + K, NCH)):
-        wgt, a_last, j, jr = _chunk_weights(G, MASK, b, h, c, sg_b, sg_t, sg_h, T, W, offs_m, CSZ)
-        dec = tl.exp(a_last)
-        upd = _chunk_update(X, X2, row >= NBH, wgt, j, jr, b, h, sx_b, sx_t, sx_h, offs_d, dmask, PREC)
-        state = dec[:, None] * state + upd
-        prod = prod * dec
-        tl.store(OUT + (row.to(tl.int64) * (NCH + 1) + c + 1) * M * DX + tile, state, mask=dmask[None, :])
-        if first_tile & (row < NBH):
-            tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, dec)
-    seg = row.to(tl.int64) * NSEG + s
-    tl.store(END + seg * M * DX + tile, state, mask=dmask[None, :])
-    if first_tile:
-        tl.store(DPROD + seg * M + offs_m, prod)
 
 
 @triton.jit
@@ -497,41 +449,27 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False):
     each, one layout: S = 2 runs the key and the value states in one set of launches): [S, B, H, nch + 1, M, DX]
     fp32, from `initial` [S, B, H, M, DX] (or zero), and with `return_decay` the chunk decays [B, H, nch, M].
 
-    Two steps: every chunk's own update in parallel, then a short elementwise scan over chunks (with
-    CONFIG["update_in_scan"] the updates are formed inside the scan's first pass instead)."""
+    Two steps: every chunk's own update in parallel, then a short elementwise scan over chunks."""
     x = xs[0]
     B, T, H, DX = x.shape
     S, M = len(xs), log_alpha.shape[-1]
     assert all(y.shape == x.shape and y.dtype == x.dtype and y.stride() == x.stride() for y in xs)
     out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
-    strides = (x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2))
-    prec = slot_precision(x.dtype)
-    s0 = initial.contiguous().float() if initial is not None else out
-    BM, BDS = scan_tile(M, DX, 16)
-    segment = CONFIG["scan_segment"]
-    if segment:  # two-level scan (chunk_scan.py), in place over out from its row 0
-        out[:, :, :, 0] = 0.0 if initial is None else s0
-        flat = out.view(S * B * H, nch + 1, M, DX)
-        x0 = None if initial is None else s0.view(S * B * H, M, DX)
-    if segment and CONFIG["update_in_scan"]:  # the chunk updates formed inside the scan's first pass
-        end, dprod = segment_buffers(flat, nch, segment)
-        _update_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), S * B * H, end.shape[1])](
-            x, xs[-1], log_alpha, mask, out, dec, end, dprod, *strides, T, W, nch, end.shape[1], B * H,
-            H=H, M=M, DX=DX, CSZ=CS, BM=BM, BD=BDS, K=segment, PREC=prec, num_warps=4, num_stages=3,
-        )
-        launched("update_scan")
-        segment_fixup(dec.view(B * H, nch, M), flat, end, dprod, segment, (BM, BDS), x0=x0)
-        launched("segment fixup")
-        return (out, dec) if return_decay else out
     BD = min(64, triton.next_power_of_2(DX))
     _chunk_update_kernel[(nch, B * H, S * triton.cdiv(DX, BD))](
-        x, xs[-1], log_alpha, mask, out, dec, *strides, T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=prec,
-        num_warps=4,
+        x, xs[-1], log_alpha, mask, out, dec,
+        x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
+        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(x.dtype), num_warps=4,
     )
     launched("chunk_update")
-    if segment:
-        segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, segment, (BM, BDS), x0=x0)
+    s0 = initial.contiguous().float() if initial is not None else out
+    BM, BDS = scan_tile(M, DX, 16)
+    if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
+        out[:, :, :, 0] = 0.0 if initial is None else s0
+        flat = out.view(S * B * H, nch + 1, M, DX)
+        segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
+                             x0=None if initial is None else s0.view(S * B * H, M, DX))
         launched("segmented state_scan")
     else:
         _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), S * B * H)](
@@ -604,9 +542,6 @@ CONFIG = {
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
     "scan_segment": 16,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
-    "update_in_scan": False,  # with scan_segment: each chunk's state update formed inside the segmented scan's
-    # first pass (`_update_scan_kernel`) instead of by `_chunk_update_kernel` into memory and read back: one
-    # launch and 2 x [S, B, H, T/64, M, D] fp32 of traffic fewer per state pass (two per training step; untimed)
     "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
     # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
     "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
@@ -618,7 +553,6 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows", "fwd_slots_first",
     "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment", "merge_kv_states",
-    "update_in_scan",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -643,7 +577,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
     "scan_segment_32": dict(scan_segment=32),
-    "update_in_scan": dict(update_in_scan=True),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
     "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),

@@ -33,14 +33,13 @@ def naive_chunk_scan(b, dec, x0=None, reverse=False):
 
 @triton.jit
 def _tile(M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """The [BM, BD] tile of program axis 0: slot and column offsets, column mask, element offsets in an [M, DX]
-    state, and whether it is the first column tile of its slots."""
+    """The [BM, BD] tile of program axis 0: slot offsets, column mask and element offsets in an [M, DX] state."""
     NDB: tl.constexpr = (DX + BD - 1) // BD
     pid_t = tl.program_id(0)
     offs_m = (pid_t // NDB) * BM + tl.arange(0, BM)
     offs_d = (pid_t % NDB) * BD + tl.arange(0, BD)
     dmask = offs_d < DX
-    return offs_m, offs_d, dmask, offs_m[:, None] * DX + offs_d[None, :], pid_t % NDB == 0
+    return offs_m, dmask, offs_m[:, None] * DX + offs_d[None, :], pid_t % NDB == 0
 
 
 @triton.jit
@@ -59,7 +58,7 @@ def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
     """Per (tile, batch x head, segment s): the scan of steps s*K .. s*K+K-1 from zero into OUT (chunk c of a
     state array at row c + SHIFT of ROWS per head); the segment's end state into END[s] and its decay product
     into DPROD[s]."""
-    offs_m, _, dmask, tile, first_tile = _tile(M, DX, BM, BD)
+    offs_m, dmask, tile, first_tile = _tile(M, DX, BM, BD)
     pid_bh = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
     dec_bh = pid_bh % NBH
@@ -88,7 +87,7 @@ def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
     """Per (tile, batch x head, segment s): the carry into segment s (x0 through the earlier segments' decay
     products and end states), added to each of its chunks decayed by the products of the steps before. Without
     x0, segment 0 has no carry and is not launched."""
-    offs_m, _, dmask, tile, first_tile = _tile(M, DX, BM, BD)
+    offs_m, dmask, tile, first_tile = _tile(M, DX, BM, BD)
     pid_bh = tl.program_id(1).to(tl.int64)
     if HAS_X0:
         s = tl.program_id(2)
@@ -119,36 +118,17 @@ def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
     tile: the (slots, columns) of one program."""
-    end, dprod = segment_buffers(out, dec.shape[1], segment)
-    grid, args, meta = _segment_launch(dec, out, end, dprod, segment, tile, reverse)
-    _segment_scan_kernel[grid](bin_, *args, **meta)
-    segment_fixup(dec, out, end, dprod, segment, tile, x0, reverse)
-    return out
-
-
-def segment_buffers(out, n, segment):
-    """The end states [S * BH, nseg, M, X] and decay products [S * BH, nseg, M] of the segments of a scan over
-    n chunks into `out` (the first pass writes them, `segment_fixup` reads them)."""
-    BH, M, X = out.shape[0], out.shape[2], out.shape[3]
-    nseg = triton.cdiv(n, segment)
-    return (torch.empty(BH, nseg, M, X, dtype=torch.float32, device=out.device),
-            torch.empty(BH, nseg, M, dtype=torch.float32, device=out.device))
-
-
-def _segment_launch(dec, out, end, dprod, segment, tile, reverse):
-    """(grid, shared arguments, meta-parameters) of the two passes."""
     nbh, n, M = dec.shape
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
-    nseg = end.shape[1]
-    grid = ((M // BM) * triton.cdiv(X, BD), BH, nseg)
+    nseg = triton.cdiv(n, segment)
+    end = torch.empty(BH, nseg, M, X, dtype=torch.float32, device=out.device)
+    dprod = torch.empty(BH, nseg, M, dtype=torch.float32, device=out.device)
+    ntile = (M // BM) * triton.cdiv(X, BD)
     args = (dec, out, end, dprod, n, nseg, rows, rows - n, nbh)
-    return grid, args, dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
-
-
-def segment_fixup(dec, out, end, dprod, segment, tile, x0=None, reverse=False):
-    """The second pass: every segment's carry (x0 and the segments before it) added to its chunks in `out`."""
-    (ntile, BH, nseg), args, meta = _segment_launch(dec, out, end, dprod, segment, tile, reverse)
+    meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
+    _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, **meta)
     has_x0 = x0 is not None
     if nseg > 1 or has_x0:
         _segment_fixup_kernel[(ntile, BH, nseg - 1 + has_x0)](x0 if has_x0 else out, *args, HAS_X0=has_x0, **meta)
+    return out

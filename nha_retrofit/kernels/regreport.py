@@ -63,9 +63,7 @@ def cases(HQ, H, D, M):
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
     out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
-            ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2),
-            ("update scan", cf._update_scan_kernel,
-             dict(H=H, M=M, DX=D, CSZ=cs, BM=min(M, 16), BD=min(64, D), K=16, PREC=cf.CONFIG["slot_precision"]), 4, 3)]
+            ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2)]
     auto = cf.fwd_block(G)
     stages = cf.CONFIG["num_stages"]
     for cq, sprec, vprec in [(auto, "tf32x3", "tf32x3"), (auto, "bf16x3", "bf16x3"), (auto, "tf32x3", "tf32"),

@@ -52,6 +52,8 @@ def nha_chunked(
     )
     if initial_state is None:
         initial_state = NHAState.empty(batch, kv_heads, slots, k.shape[-1], v.shape[-1], k.dtype, k.device)
+    else:  # a decoded state keeps its window as a ring; prefill reads it oldest first
+        initial_state = initial_state.chronological()
 
     # The whole stream: carried window tokens first, then the new ones (token-major, as given).
     prefix = initial_state.window_length

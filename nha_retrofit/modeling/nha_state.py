@@ -2,11 +2,19 @@
 
 It is the fixed-size slot memory plus the last `window` tokens, which are still read exactly and will be
 absorbed into the slots when they leave the window. Its size does not depend on how many tokens came before.
+
+The window is a ring buffer: entry `(window_start + i) % P` holds the i-th oldest of its P tokens. Prefill
+produces it in order (`window_start` 0); decode steps (`for_decoding`, then `nha_recurrent_step`) give it room
+for the whole window once and from then on overwrite the oldest entry in place, so a step copies nothing.
+Entries that hold no token yet are padding (`window_mask` False): they are never read and, when they leave,
+change nothing.
 """
 
 from dataclasses import dataclass, fields
 
 import torch
+
+WINDOW_FIELDS = ("window_keys", "window_keys_rope", "window_values", "window_log_alpha", "window_mask")
 
 
 @dataclass
@@ -19,6 +27,12 @@ class NHAState:
     window_values: torch.Tensor  # [B, P, H, Dv]
     window_log_alpha: torch.Tensor  # [B, P, H, M] gates, applied when those tokens are absorbed
     window_mask: torch.Tensor  # [B, P] bool: False for padding
+    window_start: torch.Tensor | None = None  # [B] int64: the ring entry of the oldest window token (None: 0)
+
+    def __post_init__(self):
+        if self.window_start is None:
+            self.window_start = torch.zeros(self.window_mask.shape[0], dtype=torch.long,
+                                            device=self.window_mask.device)
 
     @classmethod
     def empty(cls, batch, kv_heads, slots, head_dim, value_dim, dtype, device) -> "NHAState":
@@ -48,4 +62,34 @@ class NHAState:
 
     @property
     def window_length(self) -> int:
+        """P: the window entries held (tokens, and padding where the window has not filled up yet)."""
         return self.window_mask.shape[1]
+
+    def chronological(self) -> "NHAState":
+        """The same state with its window entries oldest first (`window_start` 0): what prefill reads."""
+        length = self.window_length
+        if length == 0:
+            return self
+        order = (self.window_start[:, None] + torch.arange(length, device=self.window_start.device)) % length
+        moved = {}
+        for name in WINDOW_FIELDS:
+            x = getattr(self, name)
+            moved[name] = x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand_as(x))
+        return NHAState(self.slot_keys, self.slot_values, self.slots_filled, **moved)
+
+    def for_decoding(self, window: int) -> "NHAState":
+        """This state with room for exactly `window` entries and every tensor contiguous, so that decode steps
+        can update it in place: `self` when it already is, else a copy (once per prefill) with the missing
+        entries as padding in front, oldest first."""
+        length = self.window_length
+        if length > window:
+            raise ValueError(f"this NHA state holds {length} window tokens, more than the window of {window}")
+        if length == window and all(t.is_contiguous() for t in self.tensors()):
+            return self
+        state = self.chronological()
+        padded = {}
+        for name in WINDOW_FIELDS:
+            x = getattr(state, name)
+            padded[name] = torch.cat([x.new_zeros(x.shape[0], window - length, *x.shape[2:]), x], 1)
+        return NHAState(state.slot_keys.contiguous(), state.slot_values.contiguous(),
+                        state.slots_filled.contiguous(), **padded)

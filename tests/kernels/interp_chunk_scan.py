@@ -1,7 +1,6 @@
 """The two-level chunk scans (`chunk_scan.py`) under the Triton CPU interpreter and its out-of-bounds checker,
 against `naive_chunk_scan` and against the one-pass scan kernels they replace (`slot_states`, `reverse_scan`),
-each for one state array and for two sharing their decays (the key and the value states in one launch); the
-slot states also with the chunk updates formed inside the scan (CONFIG["update_in_scan"]), decays included.
+each for one state array and for two sharing their decays (the key and the value states in one launch).
 
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks; a state tile
 narrower than the state (columns not a multiple of the tile: masked) and several slot blocks; forward scans in
@@ -62,31 +61,25 @@ def main():
     cont = torch.randn(2, B, H, nch, M, D, generator=gen)
     dec = torch.rand(B, H, nch, M, generator=gen)
     want = {}
-    # (segment, update_in_scan): the chunk updates from memory or formed inside the scan's first pass
-    for segment, in_scan in ((None, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True),
-                             (16, True)):
-        chunk_fwd.CONFIG.update(scan_segment=segment, update_in_scan=in_scan)
+    for segment in (None, 1, 2, 3):
+        chunk_fwd.CONFIG["scan_segment"] = segment
         with bounds_checked():
             got, pairs = {}, {}
             for s in (0, 1):
-                states, got["chunk decays", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch,
-                                                                         return_decay=True)
-                got["slot_states", s] = states[0]
+                got["slot_states", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch)[0]
                 got["slot_states from a state", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch,
                                                                            initial[s:s + 1])[0]
                 got["reverse_scan", s] = slot_bwd.reverse_scan(cont[s], dec)
             pairs["slot_states"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch)
             pairs["slot_states from a state"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, initial)
             pairs["reverse_scan"] = slot_bwd.reverse_scan(cont, dec)
-        tag = f"K={segment}{' in scan' if in_scan else ''}"
         for (what, s), single in got.items():
-            if what in pairs:
-                check(f"two at once: {what} [{s}] {tag}", pairs[what][s], single, tol=1e-6)
+            check(f"two at once: {what} [{s}] K={segment}", pairs[what][s], single, tol=1e-6)
         if segment is None:
             want = got
             continue
         for key in got:
-            check(f"{key[0]} [{key[1]}] {tag}", got[key], want[key])
+            check(f"{key[0]} [{key[1]}] K={segment}", got[key], want[key])
     print("OK")
 
 

@@ -34,3 +34,7 @@ def test_two_level_chunk_scans_match_under_interpreter():
 
 def test_prefill_with_carried_state_matches_under_interpreter():
     run_interp_script("interp_carried_state.py", expect="OK")
+
+
+def test_in_place_decode_step_matches_under_interpreter():
+    run_interp_script("interp_decode.py", expect="OK")

@@ -180,11 +180,12 @@ def test_prefill_state_and_200_decode_steps_match_chunk_kernel(window, M, heads,
         _, state = nha_chunked_triton(*[a[:, :T0] for a in args], window, inputs["scale"], mask[:, :T0], bias,
                                       output_final_state=True)
         # prefill with a carried state (second half of the prompt), then decode
-        outs = []
+        outs, pointers = [], set()
         for t in range(T0, T):
             o, state = nha_recurrent_step_triton(*[a[:, t : t + 1] for a in args], window, inputs["scale"], state,
                                                  mask[:, : t + 1], bias)
             outs.append(o)
+            pointers.add(tuple(x.data_ptr() for x in state.tensors()))
         decoded = torch.cat(outs, 1)
         ref, _ = nha_chunked(*[a.double() for a in args], window, inputs["scale"], mask, bias.double(),
                              output_final_state=True)
@@ -200,6 +201,55 @@ def test_prefill_state_and_200_decode_steps_match_chunk_kernel(window, M, heads,
         assert rel(state.slot_values, ref_state.slot_values) <= tol
     assert state.window_length == ref_state.window_length
     assert torch.equal(state.slots_filled.cpu(), ref_state.slots_filled.cpu())
+    ordered = state.chronological()
+    assert torch.equal(ordered.window_mask.cpu(), ref_state.window_mask.cpu())
+    if window:  # the window's tokens are copies of the inputs: exact
+        assert torch.equal(ordered.window_keys_rope.double(), ref_state.window_keys_rope)
+        assert torch.equal(ordered.window_log_alpha.double(), ref_state.window_log_alpha)
+    if window is not None:  # in place: the same tensors from the first step on
+        assert len(pointers) == 1
+
+
+def test_decode_steps_replay_from_a_cuda_graph(monkeypatch):
+    """28 layers' decode steps capture in one CUDA graph (the state is updated in place, nothing is allocated
+    but the outputs); 100 replays on new tokens equal 100 eager steps from the same state."""
+    monkeypatch.setenv("NHA_KERNEL_SYNC", "0")
+    layers, steps, window, HQ, H, D, M, dtype = 28, 100, 64, 32, 8, 128, 64, torch.bfloat16
+    T0 = 150
+    inputs = cuda_inputs(T0 + steps, HQ, H, D, M, dtype, 1)
+    args = [inputs[n].to(dtype) for n in NAMES[:6]]
+    mask = torch.ones(1, T0 + steps, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        _, prefilled = nha_chunked_triton(*[a[:, :T0] for a in args], window, inputs["scale"], mask[:, :T0],
+                                          inputs["slot_bias"], output_final_state=True)
+        prefilled = prefilled.for_decoding(window)
+    copies = lambda: [prefilled.map(torch.clone) for _ in range(layers)]  # noqa: E731
+    token = [a[:, T0 : T0 + 1].clone() for a in args]  # the graph's static input
+
+    def step(states):
+        return [nha_recurrent_step_triton(*token, window, inputs["scale"], st, mask[:, : T0 + 1],
+                                          inputs["slot_bias"])[0] for st in states]
+
+    with torch.no_grad():
+        graphed, eager = copies(), copies()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile outside the capture, on throwaway states
+            step(copies())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step(graphed)
+        replayed = []
+        for t in range(T0, T0 + steps):
+            for static, a in zip(token, args):
+                static.copy_(a[:, t : t + 1])
+            graph.replay()
+            replayed.append(torch.stack(captured).clone())
+            want = step(eager)
+            assert torch.equal(replayed[-1], torch.stack(want)), f"step {t}: the replay differs from the eager step"
+    for mine, ref in zip(graphed, eager):
+        assert all(torch.equal(a, b) for a, b in zip(mine.tensors(), ref.tensors()))
 
 
 def two_part_prefill(window, decay=1.0):
@@ -249,7 +299,7 @@ VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults 
     "scan_tile_8x32", "scan_one_pass", "slot_bwd_keys_8warps", "slot_bwd_block32", "keys_da_32slots",
     "fwd_block16", "window_bwd_block32", "window_bwd_block16", "slot_bwd_rows16", "slot_bwd_rows32_4warps",
     "slot_bwd_keys_block8", "slot_bwd_columns128_8warps", "separate_kv_states", "slot_bwd_columns64",
-    "keys_da_8warps", "slot_bwd_stages2", "keys_da_rows_block", "update_in_scan")}
+    "keys_da_8warps", "slot_bwd_stages2", "keys_da_rows_block")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

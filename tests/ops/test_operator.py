@@ -119,6 +119,49 @@ def test_chunked_continues_from_carried_state(window, split):
     assert_close(out3, whole[:, split : split + 1], 1e-10)
 
 
+@pytest.mark.parametrize("window", [0, 1, 5, 16, 64])
+@pytest.mark.parametrize("prompt", [1, 9, 23])
+def test_decode_steps_update_the_state_in_place(window, prompt):
+    """Prefill, then decode until the window ring has wrapped several times: every step writes into the same
+    tensors (nothing reallocated after the first step gives the window its room), the outputs equal the oracle,
+    and prefill continues from the ring (oldest entry mid-buffer) as from one pass."""
+    length, extra = prompt + 3 * max(window, 1) + 4, 11
+    inputs = make_inputs(3, length + extra, 9, 3, 8, 7)
+    mask = padding_mask(3, length + extra, "left", seed=prompt)
+    expected = nha_oracle(**inputs, window=window, attention_mask=mask)
+    common = dict(window=window, scale=inputs["scale"], slot_bias=inputs["slot_bias"])
+    part = lambda a, b: {n: inputs[n][:, a:b] for n in OPERATOR_ARGS}  # noqa: E731
+    _, state = nha_chunked(**part(0, prompt), attention_mask=mask[:, :prompt], output_final_state=True, **common)
+    outs, pointers = [], []
+    for t in range(prompt, length):
+        out, state = nha_recurrent_step(**part(t, t + 1), state=state, attention_mask=mask[:, : t + 1], **common)
+        outs.append(out)
+        pointers.append([x.data_ptr() for x in state.tensors()])
+    assert all(p == pointers[0] for p in pointers)
+    assert state.window_length == window
+    assert_close(torch.cat(outs, 1), expected[:, prompt:length], 1e-10)
+    rest, _ = nha_chunked(**part(length, length + extra), attention_mask=mask, initial_state=state, **common)
+    assert_close(rest, expected[:, length:], 1e-10)
+
+
+def test_state_window_ring_reads_oldest_first():
+    """`for_decoding` gives a short window its room as padding in front; `chronological` undoes a rotation; a
+    window longer than the layer's is refused."""
+    inputs = make_inputs(2, 6, 4, 2, 8, 5)
+    _, state = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, window=8, scale=inputs["scale"],
+                           output_final_state=True)
+    roomy = state.for_decoding(8)
+    assert roomy.window_length == 8 and not roomy.window_mask[:, :2].any()
+    assert torch.equal(roomy.window_keys[:, 2:], state.window_keys)
+    assert roomy.for_decoding(8) is roomy
+    rotated = roomy.map(lambda x: x.roll(3, 1) if x.dim() > 1 and x.shape[1] == 8 else x)
+    rotated.window_start = torch.full_like(roomy.window_start, 3)
+    for name in ("window_keys", "window_values", "window_log_alpha", "window_mask"):
+        assert torch.equal(getattr(rotated.chronological(), name), getattr(roomy, name))
+    with pytest.raises(ValueError, match="more than the window"):
+        state.for_decoding(5)
+
+
 def test_left_padded_batch_equals_each_sequence_alone():
     inputs = make_inputs(3, 30, 4, 2, 8, 5)
     mask = padding_mask(3, 30, "left")
