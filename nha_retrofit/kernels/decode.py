@@ -1,12 +1,15 @@
 """One-token NHA decode step in Triton, same contract as `nha_recurrent_step`: the state is updated in place.
 
-One program per (sequence, kv head): it absorbs the window's oldest entry (the token leaving; window 0: the new
-token itself) into the fp32 slots held in registers and writes them back, reads slots (pre-RoPE q) and window
-(post-RoPE q, the new token in place of the leaving one) under one online softmax for the G query heads of that
-kv head, and finally writes the new token's key, RoPE'd key, value and gates over that entry. A second, tiny
-launch then writes the entry's mask and moves the ring start: those are shared by all heads of a sequence, so no
-program of the first launch may change them while others still read them. Nothing is allocated but the output,
-so the step can be captured in a CUDA graph.
+Split over the window like flash-decoding, so a long window is read by many programs at once:
+- `_decode_block_kernel`, per (sequence x kv head, block of BLOCK window entries): the softmax partials (max, sum,
+  P.V) of the G query heads of that kv head over its entries (post-RoPE q), the new token standing in for the
+  ring entry it takes over (the oldest). The block holding that entry also absorbs the leaving token (window 0:
+  the new token itself) into the fp32 slots, in place, adds the slot logits (pre-RoPE q) to its partials, and
+  finally writes the new token's key, RoPE'd key, value and gates over the entry.
+- `_decode_combine_kernel`, per (sequence x kv head): the partials under one softmax -> the output; then the
+  entry's mask and the ring start move. Those two are shared by all heads and blocks of a sequence, which is
+  why they wait for this second launch.
+Nothing is allocated but the output and the partials, so the step can be captured in a CUDA graph.
 """
 
 import torch
@@ -16,17 +19,23 @@ import triton.language as tl
 from ..modeling.nha_state import NHAState
 from .chunk_fwd import alloc, launched
 
+BLOCK = 64  # window entries per program: a long window is read by many programs at once, then combined
+
 
 @triton.jit
-def _decode_kernel(
+def _decode_block_kernel(
     Q, QR, K, KR, V, LA, TOKEN_MASK, stride_mask,
-    WK, WKR, WV, WLA, WMASK, WSTART, SK, SV, FILLED, BIAS, O,
+    WK, WKR, WV, WLA, WMASK, WSTART, SK, SV, FILLED, BIAS, PART_ACC, PART_ML,
     P, scale,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, RING: tl.constexpr,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Program (sequence x kv head, window block): the G query heads' softmax partials (running max, sum, P.V)
+    over BN window entries; the block holding the ring entry `pos` also owns the slots (absorbs, reads them) and
+    finally writes the new token over `pos`."""
     pid = tl.program_id(0)
+    blk = tl.program_id(1)
     b = pid // H
     h = pid % H
     offs_m = tl.arange(0, M)
@@ -40,91 +49,130 @@ def _decode_kernel(
     k_new = tl.load(K + new * D + offs_d)
     v_new = tl.load(V + new * DV + offs_dv)
     la_new = tl.load(LA + new * M + offs_m)
-
-    # absorb the token leaving the window (the ring entry `pos`, which the new token takes over)
-    if RING:
-        pos = tl.load(WSTART + b)
-        entry = (b * P + pos) * H + h
-        leave_real = tl.load(WMASK + b * P + pos) != 0
-        la = tl.load(WLA + entry * M + offs_m).to(tl.float32)
-        k_leave = tl.load(WK + entry * D + offs_d).to(tl.float32)
-        v_leave = tl.load(WV + entry * DV + offs_dv).to(tl.float32)
-    else:
-        leave_real = new_real
-        la = la_new.to(tl.float32)
-        k_leave = k_new.to(tl.float32)
-        v_leave = v_new.to(tl.float32)
-    alpha = tl.where(leave_real, tl.exp(la), 1.0)
-    slot_k = SK + new * M * D + offs_m[:, None] * D + offs_d[None, :]
-    slot_v = SV + new * M * DV + offs_m[:, None] * DV + offs_dv[None, :]
-    sk = alpha[:, None] * tl.load(slot_k) + (1.0 - alpha)[:, None] * k_leave[None, :]
-    sv = alpha[:, None] * tl.load(slot_v) + (1.0 - alpha)[:, None] * v_leave[None, :]
-    tl.store(slot_k, sk)
-    tl.store(slot_v, sv)
-    filled = (tl.load(FILLED + b) != 0) | leave_real
-    tl.store(FILLED + b, filled.to(tl.int8))  # every head of the sequence stores the same value
-
     r = tl.arange(0, BR)
     rv = r < GQ
     hq = h * GQ + r
     qoff = (b * HQ + hq).to(tl.int64) * D
-    q = tl.load(Q + qoff[:, None] + offs_d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
-    logits = tl.dot(q, tl.trans(sk.to(tl.float32)), input_precision=PREC) * scale
-    if HAS_BIAS:
-        logits += tl.load(BIAS + hq, mask=rv, other=0.0)[:, None]
-    logits = tl.where(filled & rv[:, None], logits, float("-inf"))
-    m_i = tl.max(logits, 1)
-    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-    p = tl.exp(logits - m_use[:, None])
-    l_i = tl.sum(p, 1)
-    acc = tl.dot(p, sv.to(tl.float32), input_precision=PREC)
+    m_i = tl.full([BR], float("-inf"), tl.float32)
+    l_i = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, DV], tl.float32)
+    if RING:
+        pos = tl.load(WSTART + b)
+        owner = pos // BN
+    else:
+        pos = 0
+        owner = 0
+    if blk == owner:
+        # absorb the token leaving the window (the ring entry `pos`, which the new token takes over)
+        if RING:
+            entry = (b * P + pos) * H + h
+            leave_real = tl.load(WMASK + b * P + pos) != 0
+            la = tl.load(WLA + entry * M + offs_m).to(tl.float32)
+            k_leave = tl.load(WK + entry * D + offs_d).to(tl.float32)
+            v_leave = tl.load(WV + entry * DV + offs_dv).to(tl.float32)
+        else:
+            leave_real = new_real
+            la = la_new.to(tl.float32)
+            k_leave = k_new.to(tl.float32)
+            v_leave = v_new.to(tl.float32)
+        alpha = tl.where(leave_real, tl.exp(la), 1.0)
+        slot_k = SK + new * M * D + offs_m[:, None] * D + offs_d[None, :]
+        slot_v = SV + new * M * DV + offs_m[:, None] * DV + offs_dv[None, :]
+        sk = alpha[:, None] * tl.load(slot_k) + (1.0 - alpha)[:, None] * k_leave[None, :]
+        sv = alpha[:, None] * tl.load(slot_v) + (1.0 - alpha)[:, None] * v_leave[None, :]
+        tl.store(slot_k, sk)
+        tl.store(slot_v, sv)
+        filled = (tl.load(FILLED + b) != 0) | leave_real
+        tl.store(FILLED + b, filled.to(tl.int8))  # every head of the sequence stores the same value
+        q = tl.load(Q + qoff[:, None] + offs_d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
+        logits = tl.dot(q, tl.trans(sk.to(tl.float32)), input_precision=PREC) * scale
+        if HAS_BIAS:
+            logits += tl.load(BIAS + hq, mask=rv, other=0.0)[:, None]
+        logits = tl.where(filled & rv[:, None], logits, float("-inf"))
+        m_i = tl.max(logits, 1)
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp(logits - m_use[:, None])
+        l_i = tl.sum(p, 1)
+        acc = tl.dot(p, sv.to(tl.float32), input_precision=PREC)
     if RING:
         kr_new = tl.load(KR + new * D + offs_d)
         qr = tl.load(QR + qoff[:, None] + offs_d[None, :], mask=rv[:, None], other=0.0)
-        offs_n = tl.arange(0, BN)
-        for n0 in range(0, P, BN):
-            j = n0 + offs_n
-            jin = j < P
-            is_new = (j == pos)[:, None]
-            tok = (b * P + j).to(tl.int64) * H + h
-            kr = tl.load(WKR + tok[:, None] * D + offs_d[None, :], mask=jin[:, None], other=0.0)
-            kr = tl.where(is_new, kr_new[None, :].to(kr.dtype), kr)
-            jreal = tl.load(WMASK + b * P + j, mask=jin, other=0) != 0
-            jreal = tl.where(j == pos, new_real, jreal)
-            s = tl.dot(qr, tl.trans(kr).to(qr.dtype), input_precision=PREC) * scale
-            s = tl.where((jin & jreal)[None, :] & rv[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            pw = tl.exp(s - m_use[:, None])
-            scale_old = tl.exp(m_i - m_use)
-            l_i = l_i * scale_old + tl.sum(pw, 1)
-            vw = tl.load(WV + tok[:, None] * DV + offs_dv[None, :], mask=jin[:, None], other=0.0)
-            vw = tl.where(is_new, v_new[None, :].to(vw.dtype), vw)
-            acc = acc * scale_old[:, None] + tl.dot(pw.to(vw.dtype), vw, input_precision=PREC)
-            m_i = m_new
-    ok = new_real & (l_i > 0)
-    out = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + qoff[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=rv[:, None])
+        j = blk * BN + tl.arange(0, BN)
+        jin = j < P
+        is_new = (j == pos)[:, None]
+        tok = (b * P + j).to(tl.int64) * H + h
+        kr = tl.load(WKR + tok[:, None] * D + offs_d[None, :], mask=jin[:, None], other=0.0)
+        kr = tl.where(is_new, kr_new[None, :].to(kr.dtype), kr)
+        jreal = tl.load(WMASK + b * P + j, mask=jin, other=0) != 0
+        jreal = tl.where(j == pos, new_real, jreal)
+        s = tl.dot(qr, tl.trans(kr).to(qr.dtype), input_precision=PREC) * scale
+        s = tl.where((jin & jreal)[None, :] & rv[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        pw = tl.exp(s - m_use[:, None])
+        rescale = tl.exp(m_i - m_use)
+        l_i = l_i * rescale + tl.sum(pw, 1)
+        vw = tl.load(WV + tok[:, None] * DV + offs_dv[None, :], mask=jin[:, None], other=0.0)
+        vw = tl.where(is_new, v_new[None, :].to(vw.dtype), vw)
+        acc = acc * rescale[:, None] + tl.dot(pw.to(vw.dtype), vw, input_precision=PREC)
+        m_i = m_new
+    part = pid.to(tl.int64) * tl.num_programs(1) + blk
+    tl.store(PART_ACC + (part * BR + r[:, None]) * DV + offs_dv[None, :], acc)
+    tl.store(PART_ML + (part * 2) * BR + r, m_i)
+    tl.store(PART_ML + (part * 2 + 1) * BR + r, l_i)
     if RING:
-        tl.debug_barrier()  # every thread of this program has read the entry before it is overwritten
-        tl.store(WK + entry * D + offs_d, k_new.to(WK.dtype.element_ty))
-        tl.store(WKR + entry * D + offs_d, kr_new.to(WKR.dtype.element_ty))
-        tl.store(WV + entry * DV + offs_dv, v_new.to(WV.dtype.element_ty))
-        tl.store(WLA + entry * M + offs_m, la_new.to(WLA.dtype.element_ty))
+        if blk == owner:
+            tl.debug_barrier()  # every thread of this program has read the entry before it is overwritten
+            entry = (b * P + pos) * H + h
+            tl.store(WK + entry * D + offs_d, k_new.to(WK.dtype.element_ty))
+            tl.store(WKR + entry * D + offs_d, kr_new.to(WKR.dtype.element_ty))
+            tl.store(WV + entry * DV + offs_dv, v_new.to(WV.dtype.element_ty))
+            tl.store(WLA + entry * M + offs_m, la_new.to(WLA.dtype.element_ty))
 
 
 @triton.jit
-def _advance_ring_kernel(TOKEN_MASK, stride_mask, WMASK, WSTART, P, HAS_MASK: tl.constexpr):
-    """Per sequence: the new token's mask into the ring entry it took over, and the ring start one entry on."""
-    b = tl.program_id(0)
-    pos = tl.load(WSTART + b)
+def _decode_combine_kernel(
+    PART_ACC, PART_ML, O, TOKEN_MASK, stride_mask, WMASK, WSTART, P, NBLK,
+    HAS_MASK: tl.constexpr, RING: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr,
+    DV: tl.constexpr, BR: tl.constexpr,
+):
+    """Program (sequence x kv head): the blocks' partials under one softmax -> the G query heads' outputs. The
+    kv head 0 program then writes the new token's mask into its ring entry and moves the ring start one on (all
+    readers of the two, the block kernel's programs, are done)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    r = tl.arange(0, BR)
+    offs_dv = tl.arange(0, DV)
+    m_i = tl.full([BR], float("-inf"), tl.float32)
+    l_i = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, DV], tl.float32)
+    for blk in range(NBLK):
+        part = pid.to(tl.int64) * NBLK + blk
+        m_b = tl.load(PART_ML + (part * 2) * BR + r)
+        l_b = tl.load(PART_ML + (part * 2 + 1) * BR + r)
+        acc_b = tl.load(PART_ACC + (part * BR + r[:, None]) * DV + offs_dv[None, :])
+        m_new = tl.maximum(m_i, m_b)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        old, add = tl.exp(m_i - m_use), tl.exp(m_b - m_use)
+        l_i = l_i * old + l_b * add
+        acc = acc * old[:, None] + acc_b * add[:, None]
+        m_i = m_new
     if HAS_MASK:
-        real = tl.load(TOKEN_MASK + b * stride_mask) != 0
+        new_real = tl.load(TOKEN_MASK + b * stride_mask) != 0
     else:
-        real = b >= 0
-    tl.debug_barrier()  # every thread has read the start before it moves
-    tl.store(WMASK + b * P + pos, real.to(tl.int8))
-    tl.store(WSTART + b, (pos + 1) % P)
+        new_real = pid >= 0
+    ok = new_real & (l_i > 0)
+    out = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
+    rv = r < GQ
+    ooff = (b * HQ + h * GQ + r).to(tl.int64) * DV
+    tl.store(O + ooff[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=rv[:, None])
+    if RING:
+        if h == 0:
+            pos = tl.load(WSTART + b)
+            tl.debug_barrier()  # every thread has read the start before it moves
+            tl.store(WMASK + b * P + pos, new_real.to(tl.int8))
+            tl.store(WSTART + b, (pos + 1) % P)
 
 
 def nha_recurrent_step_triton(
@@ -148,22 +196,24 @@ def nha_recurrent_step_triton(
     mask_args = (out, 0) if token_mask is None else (token_mask, token_mask.stride(0))
     window_mask = state.window_mask.view(torch.int8)
     groups = q_heads // kv_heads
+    rows = max(16, triton.next_power_of_2(groups))
+    blocks = max(triton.cdiv(window, BLOCK), 1)
+    part_acc = torch.empty(batch * kv_heads * blocks * rows * value_dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(batch * kv_heads * blocks * 2 * rows, dtype=torch.float32, device=q.device)
     exact = q.dtype == torch.float32 or state.slot_keys.dtype == torch.float64
-    _decode_kernel[(batch * kv_heads,)](
+    shape = dict(HQ=q_heads, H=kv_heads, GQ=groups, DV=value_dim, BR=rows)
+    flags = dict(HAS_MASK=token_mask is not None, RING=window > 0)
+    _decode_block_kernel[(batch * kv_heads, blocks)](
         q.contiguous(), q_rope.contiguous(), k.contiguous(), k_rope.contiguous(), v.contiguous(),
         log_alpha.contiguous(), *mask_args,
         state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha, window_mask,
         state.window_start, state.slot_keys, state.slot_values, state.slots_filled.view(torch.int8),
-        out if slot_bias is None else slot_bias.float().contiguous(), out,
-        window, float(scale),
-        HAS_MASK=token_mask is not None, HAS_BIAS=slot_bias is not None, RING=window > 0,
-        HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots,
-        BR=max(16, triton.next_power_of_2(groups)), BN=64, PREC="ieee" if exact else "tf32",
-        num_warps=4,
+        out if slot_bias is None else slot_bias.float().contiguous(), part_acc, part_ml,
+        window, float(scale), HAS_BIAS=slot_bias is not None, **flags, **shape, D=head_dim, M=slots, BN=BLOCK,
+        PREC="ieee" if exact else "tf32", num_warps=4,
     )
-    launched("decode")
-    if window > 0:
-        _advance_ring_kernel[(batch,)](*mask_args, window_mask, state.window_start, window,
-                                       HAS_MASK=token_mask is not None, num_warps=1)
-        launched("advance ring")
+    launched("decode blocks")
+    _decode_combine_kernel[(batch * kv_heads,)](part_acc, part_ml, out, *mask_args, window_mask, state.window_start,
+                                                window, blocks, **flags, **shape, num_warps=4)
+    launched("decode combine")
     return out, state

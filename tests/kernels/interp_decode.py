@@ -3,8 +3,8 @@ out-of-bounds checker, against the PyTorch step (`nha_recurrent_step`) on the sa
 token until the window ring has wrapped: every output, the slots, the window entries (oldest first), the ring
 start and the filled flags; the state tensors stay the same ones from the first step on.
 
-Fresh random fp32 inputs; windows 0 (absorbed at once), 1, 5, 64 (one 64-entry block) and 70 (two); GQA 9/3,
-4/4 and 16/2; left padding and no mask; outputs NaN-poisoned.
+Fresh random fp32 inputs; windows 0 (absorbed at once), 1, 5, 64 (one 64-entry block), 70 (two) and 150 (three,
+the last partial); GQA 9/3, 4/4 and 16/2; left padding and no mask; outputs NaN-poisoned.
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_decode.py   (prints OK and exits 0)
 """
@@ -26,7 +26,7 @@ from nha_oracle import make_inputs, padding_mask  # noqa: E402
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
 # (window, query heads, kv heads, slots, prompt, masked)
 CASES = [(0, 9, 3, 16, 7, True), (1, 4, 4, 32, 3, True), (5, 16, 2, 16, 9, False), (64, 9, 3, 32, 20, True),
-         (70, 4, 4, 16, 2, True)]
+         (70, 4, 4, 16, 2, True), (150, 16, 2, 16, 40, True)]
 
 
 def main():
@@ -39,7 +39,7 @@ def main():
     print(f"seed {seed}")
     chunk_fwd.POISON = True
     for window, q_heads, kv_heads, slots, prompt, masked in CASES:
-        steps = 2 * max(window, 1) + 3
+        steps = max(window, 1) + 23  # past a full turn of the ring (many for the short windows)
         x = make_inputs(3, prompt + steps, q_heads, kv_heads, 64, slots, dtype=torch.float32, seed=seed)
         mask = padding_mask(3, prompt + steps, "left", seed=window) if masked else None
         common = dict(window=window, scale=x["scale"], slot_bias=x["slot_bias"])
