@@ -6,7 +6,8 @@ from .nha_state import NHAState
 
 
 class NHACacheLayer(CacheLayerMixin):
-    """One NHA layer's `NHAState` (slots + the last `window` tokens): its size does not grow with the sequence.
+    """One NHA layer's `NHAState` (slots + the last `window` tokens): its size does not grow with the sequence,
+    and decode steps update it in place (the window is a ring buffer, `NHAState`).
 
     It reports itself as sliding so that transformers' mask builders size the causal mask from a full-attention
     layer; NHA layers build their own masks from the 2-D padding mask.
