@@ -210,7 +210,7 @@ def nha_recurrent_step_triton(
         state.window_start, state.slot_keys, state.slot_values, state.slots_filled.view(torch.int8),
         out if slot_bias is None else slot_bias.float().contiguous(), part_acc, part_ml,
         window, float(scale), HAS_BIAS=slot_bias is not None, **flags, **shape, D=head_dim, M=slots, BN=BLOCK,
-        PREC="ieee" if exact else "tf32", num_warps=4,
+        PREC="ieee" if exact else "tf32", num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
     )
     launched("decode blocks")
     _decode_combine_kernel[(batch * kv_heads,)](part_acc, part_ml, out, *mask_args, window_mask, state.window_start,

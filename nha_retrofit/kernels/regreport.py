@@ -28,6 +28,9 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32)
 
+# the decode state's window tensors (the model's dtype), its gates and ring start, the attention mask's column
+DECODE_POINTERS = dict(WK=BF, WV=BF, LA=F32, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32, PART_ML=F32)
+
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
     """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error)."""
@@ -87,8 +90,10 @@ def cases(HQ, H, D, M):
         out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
                 (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
-    out += [("decode", decode._decode_kernel, dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=64,
-                                                   PREC="tf32"), 4, 2)]
+    dec = dict(HQ=HQ, H=H, GQ=G, DV=D, BR=max(16, pow2(G)), HAS_MASK=True, RING=True)
+    out += [("decode blocks", decode._decode_block_kernel,
+             dict(dec, D=D, M=M, BN=decode.BLOCK, HAS_BIAS=True, PREC="tf32"), 8, 2),
+            ("decode combine", decode._decode_combine_kernel, dec, 4, 2)]
     return out + slot_bwd_cases(HQ, H, D, M)
 
 
@@ -140,7 +145,7 @@ def main():
         for name, fn, consts, warps, stages in cases(HQ, H, D, M):
             if slot_only and not name.startswith("slot bwd"):
                 continue
-            ptrs = dict(WK=BF, WV=BF) if name == "decode" else None  # the window tensors of the decode state
+            ptrs = DECODE_POINTERS if name.startswith("decode") else None
             print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs)}", flush=True)
 
 
