@@ -23,6 +23,14 @@ BLOCK = 64  # window entries per program: a long window is read by many programs
 
 
 @triton.jit
+def _token_real(TOKEN_MASK, stride_mask, b, HAS_MASK: tl.constexpr):
+    """Whether sequence b's new token is real (not padding): its attention-mask column, or always without one."""
+    if HAS_MASK:
+        return tl.load(TOKEN_MASK + b * stride_mask) != 0
+    return b >= 0
+
+
+@triton.jit
 def _decode_block_kernel(
     Q, QR, K, KR, V, LA, TOKEN_MASK, stride_mask,
     WK, WKR, WV, WLA, WMASK, WSTART, SK, SV, FILLED, BIAS, PART_ACC, PART_ML,
@@ -42,10 +50,7 @@ def _decode_block_kernel(
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     new = pid.to(tl.int64)  # the new token's row in K, KR, V, LA ([B, 1, H, X])
-    if HAS_MASK:
-        new_real = tl.load(TOKEN_MASK + b * stride_mask) != 0
-    else:
-        new_real = pid >= 0
+    new_real = _token_real(TOKEN_MASK, stride_mask, b, HAS_MASK)
     k_new = tl.load(K + new * D + offs_d)
     v_new = tl.load(V + new * DV + offs_dv)
     la_new = tl.load(LA + new * M + offs_m)
@@ -65,7 +70,7 @@ def _decode_block_kernel(
     if blk == owner:
         # absorb the token leaving the window (the ring entry `pos`, which the new token takes over)
         if RING:
-            entry = (b * P + pos) * H + h
+            entry = (b * P + pos) * H + h  # the leaving token's row in the window tensors ([B, P, H, X])
             leave_real = tl.load(WMASK + b * P + pos) != 0
             la = tl.load(WLA + entry * M + offs_m).to(tl.float32)
             k_leave = tl.load(WK + entry * D + offs_d).to(tl.float32)
@@ -123,7 +128,7 @@ def _decode_block_kernel(
     if RING:
         if blk == owner:
             tl.debug_barrier()  # every thread of this program has read the entry before it is overwritten
-            entry = (b * P + pos) * H + h
+            entry = (b * P + pos) * H + h  # recomputed, not kept live across the window read: fewer registers
             tl.store(WK + entry * D + offs_d, k_new.to(WK.dtype.element_ty))
             tl.store(WKR + entry * D + offs_d, kr_new.to(WKR.dtype.element_ty))
             tl.store(WV + entry * DV + offs_dv, v_new.to(WV.dtype.element_ty))
@@ -158,10 +163,7 @@ def _decode_combine_kernel(
         l_i = l_i * old + l_b * add
         acc = acc * old[:, None] + acc_b * add[:, None]
         m_i = m_new
-    if HAS_MASK:
-        new_real = tl.load(TOKEN_MASK + b * stride_mask) != 0
-    else:
-        new_real = pid >= 0
+    new_real = _token_real(TOKEN_MASK, stride_mask, b, HAS_MASK)
     ok = new_real & (l_i > 0)
     out = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
     rv = r < GQ
@@ -200,7 +202,6 @@ def nha_recurrent_step_triton(
     blocks = max(triton.cdiv(window, BLOCK), 1)
     part_acc = torch.empty(batch * kv_heads * blocks * rows * value_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch * kv_heads * blocks * 2 * rows, dtype=torch.float32, device=q.device)
-    exact = q.dtype == torch.float32 or state.slot_keys.dtype == torch.float64
     shape = dict(HQ=q_heads, H=kv_heads, GQ=groups, DV=value_dim, BR=rows)
     flags = dict(HAS_MASK=token_mask is not None, RING=window > 0)
     _decode_block_kernel[(batch * kv_heads, blocks)](
@@ -210,7 +211,8 @@ def nha_recurrent_step_triton(
         state.window_start, state.slot_keys, state.slot_values, state.slots_filled.view(torch.int8),
         out if slot_bias is None else slot_bias.float().contiguous(), part_acc, part_ml,
         window, float(scale), HAS_BIAS=slot_bias is not None, **flags, **shape, D=head_dim, M=slots, BN=BLOCK,
-        PREC="ieee" if exact else "tf32", num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
     )
     launched("decode blocks")
     _decode_combine_kernel[(batch * kv_heads,)](part_acc, part_ml, out, *mask_args, window_mask, state.window_start,

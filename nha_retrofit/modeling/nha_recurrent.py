@@ -40,17 +40,17 @@ def nha_recurrent_step(
             name: torch.cat([getattr(ordered, name), new[:, None].to(getattr(ordered, name).dtype)], 1)
             for name, new in zip(WINDOW_FIELDS, token)
         })
-    elif window == 0:
-        state = state.for_decoding(0)
-        _absorb(state, k[:, 0], v[:, 0], log_alpha[:, 0], token_mask)
     else:
         state = state.for_decoding(window)
-        rows, entry = torch.arange(batch, device=q.device), state.window_start
-        _absorb(state, state.window_keys[rows, entry], state.window_values[rows, entry],
-                state.window_log_alpha[rows, entry], state.window_mask[rows, entry])
-        for name, new in zip(WINDOW_FIELDS, token):
-            getattr(state, name)[rows, entry] = new.to(getattr(state, name).dtype)
-        state.window_start.copy_((entry + 1) % window)
+        if window == 0:
+            _absorb(state, k[:, 0], v[:, 0], log_alpha[:, 0], token_mask)
+        else:
+            rows, entry = torch.arange(batch, device=q.device), state.window_start
+            _absorb(state, state.window_keys[rows, entry], state.window_values[rows, entry],
+                    state.window_log_alpha[rows, entry], state.window_mask[rows, entry])
+            for name, new in zip(WINDOW_FIELDS, token):
+                getattr(state, name)[rows, entry] = new.to(getattr(state, name).dtype)
+            state.window_start.copy_((entry + 1) % window)
     return _read(state, q, q_rope, scale, slot_bias, token_mask), state
 
 
