@@ -36,11 +36,12 @@ class _NHAFunction(torch.autograd.Function):
         if ctx.has_slots:
             dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.states)
             ctx.states = None
-        else:  # every position sees its whole past through the window (so there is one: W >= T >= 1)
-            dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), None
+        else:  # every position sees its whole past through the window
+            dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
             dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ)
-        if p.W > 0:  # dv: the window's, plus the slot half's added inside the kernel
-            dqr, dkr, dv = window_backward(p, do, lse, delta, scale, dv)
+        if p.W > 0:
+            dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
+            dv += dv_w
         else:
             dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731

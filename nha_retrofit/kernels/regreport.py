@@ -25,7 +25,7 @@ BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
 POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, WK=F32, WV=F32, WKR=BF, WLA=F32,
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
-                RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=BF, DV_SLOTS=F32, U=F32, DEC=F32, S=F32, S0=F32,
+                RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the attention mask's column
@@ -89,7 +89,7 @@ def cases(HQ, H, D, M):
         wwarps = 4 if br <= 64 else 8
         out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
-                (f"window dkv block={cq}", window_bwd._dkv_kernel, dict(wconsts, HAS_DV_SLOTS=True), wwarps, 2)]
+                (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, DV=D, BR=max(16, pow2(G)), HAS_MASK=True, RING=True)
     out += [("decode blocks", decode._decode_block_kernel,
              dict(dec, D=D, M=M, BN=decode.BLOCK, HAS_BIAS=True, PREC="tf32"), 8, 2),

@@ -74,12 +74,11 @@ def _dq_kernel(
 
 @triton.jit
 def _dkv_kernel(
-    QR, KR, V, DO, LSE, DELTA, MASK, DKR, DV_, DV_SLOTS,
+    QR, KR, V, DO, LSE, DELTA, MASK, DKR, DV_,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t,
     T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
-    HAS_DV_SLOTS: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -125,8 +124,6 @@ def _dkv_kernel(
         else:
             dk += tl.dot(tl.trans(ds).to(qr.dtype), qr, input_precision=PREC)
     tl.store(DKR + krow[:, None] + offs_d[None, :], (dk * scale).to(DKR.dtype.element_ty), mask=jin[:, None])
-    if HAS_DV_SLOTS:  # the slot half's dv (fp32, v's layout) joins here: one rounding, no extra pass
-        dv += tl.load(DV_SLOTS + vrow[:, None] + offs_dv[None, :], mask=jin[:, None], other=0.0)
     tl.store(DV_ + vrow[:, None] + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=jin[:, None])
 
 
@@ -157,15 +154,14 @@ def window_delta(p, do, lse, scale):
     return delta
 
 
-def window_backward(p, do, lse, delta, scale, dv_slots=None):
-    """Gradients of the window half: (dq_rope, dk_rope, dv) in the inputs' dtypes (stored once, rounded in the
-    kernel); `dv_slots` (the slot half's dv, fp32, v's layout) is added to dv before that rounding."""
+def window_backward(p, do, lse, delta, scale):
+    """Gradients of the window half: (dq_rope, dk_rope) in the inputs' dtypes (stored once, rounded in the
+    kernel), dv in fp32 (the slot part's is added to it)."""
     B, T, HQ, D, H, DV = p.B, p.T, p.HQ, p.D, p.H, p.DV
     do = do.contiguous()
     dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=p.q_rope.dtype, device=do.device)
     dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
-    dv = chunk_fwd.alloc(B, T, H, DV, dtype=p.v.dtype, device=do.device)
-    assert dv_slots is None or dv_slots.stride() == p.v.stride()  # the kernel reads it at v's offsets
+    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
     cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq)
     _dq_kernel[(triton.cdiv(T, cq), B * H)](
@@ -174,8 +170,7 @@ def window_backward(p, do, lse, delta, scale, dv_slots=None):
     _, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_dkv_block"] or cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
     _dkv_kernel[(triton.cdiv(T, meta["BN"]), B * H)](
-        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, dv if dv_slots is None else dv_slots, *args,
-        HAS_DV_SLOTS=dv_slots is not None, **meta
+        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta
     )
     chunk_fwd.launched("window dkv")
     return dqr, dkr, dv
