@@ -2,7 +2,8 @@
 runs forward+backward at 8K tokens through the Triton kernels and through the plain-PyTorch chunked form; the
 logits and gradients must agree within bf16 tolerance (random weights; on a converted model's real weights two bf16
 paths drift apart far more, so `real_weights_check.py` measures each against fp32 instead). Also times prefill and
-cached decode.
+cached decode, beside the original Llama's decode with the same weights (with PyTorch's default SDPA backends, and
+with the backends NHA's full layers decode with).
 
 Usage (GPU machine): PYTHONPATH=. python benchmarks/e2e_model.py [--layers 8] [--tokens 8192]
 Writes benchmarks/results/e2e_model_h200.json.
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import nha_retrofit.modeling.modeling_nha as modeling
 from nha_retrofit.modeling.configuration_nha import NHALlamaConfig
@@ -59,6 +62,37 @@ def forward_backward(model, ids):
     return out.logits.float(), grads
 
 
+def decode_ms_per_token(model, ids, steps=20):
+    """Median eager ms of one cached decode step after a prefill of `ids` (model, cache and sampling overheads
+    included, as `generate` would pay them; batch 1)."""
+    times = []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values  # the name changed during 5.x
+        token = ids[:, -1:]
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(token, use_cache=True, **{modeling._CACHE_ARGUMENT: cache})
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[steps // 2]
+
+
+def original_model(model):
+    """The original Llama with `model`'s weights (NHA's gate projections and slot offsets dropped)."""
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "rope_parameters")
+    config = LlamaConfig(**{name: getattr(model.config, name) for name in fields})
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        original = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    loaded = original.load_state_dict(model.state_dict(), strict=False)
+    assert not loaded.missing_keys, loaded.missing_keys
+    return original
+
+
 def relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -86,22 +120,20 @@ def main():
     grad_errors = {n: relative(kernel_grads[n], torch_grads[n]) for n in torch_grads}
     worst = max(grad_errors, key=grad_errors.get)
     with torch.no_grad():
-        prefill, prefill_s = timed(lambda: model(ids, use_cache=True))
-        cache = getattr(prefill, "cache", None) or prefill.past_key_values  # the name changed during 5.x
-        token = ids[:, -1:]
-        decode_times = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(token, cache=cache, use_cache=True)  # NHA models take `cache=` on every 5.x
-            torch.cuda.synchronize()
-            decode_times.append(time.perf_counter() - start)
+        _, prefill_s = timed(lambda: model(ids, use_cache=True))
+    decode_ms = decode_ms_per_token(model, ids)
+    original = original_model(model)  # the same weights without the NHA parts: every layer full attention
+    original_default_ms = decode_ms_per_token(original, ids)
+    with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):  # the backends NHA's full layers decode with
+        original_ms = decode_ms_per_token(original, ids)
     result = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
         "tokens": args.tokens, "windows": model.config.nha_windows,
         "logits_rel_err": relative(kernel_logits, torch_logits), "worst_grad": worst, "worst_grad_rel_err": grad_errors[worst],
         "fwd_bwd_s_kernels": kernel_s, "fwd_bwd_s_pytorch": torch_s, "prefill_s": prefill_s,
-        "decode_ms_per_token_eager": 1000 * sorted(decode_times)[10],
+        "decode_ms_per_token_eager": decode_ms,
+        "original_decode_ms_per_token_eager": original_ms,
+        "original_decode_ms_per_token_eager_default_sdpa": original_default_ms,
     }
     print(json.dumps(result, indent=2))
     ok = result["logits_rel_err"] < 2e-2 and result["worst_grad_rel_err"] < 5e-2
