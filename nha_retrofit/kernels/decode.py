@@ -1,15 +1,18 @@
 """One-token NHA decode step in Triton, same contract as `nha_recurrent_step`: the state is updated in place.
 
-Split over the window like flash-decoding, so a long window is read by many programs at once:
-- `_decode_block_kernel`, per (sequence x kv head, block of BLOCK window entries): the softmax partials (max, sum,
-  P.V) of the G query heads of that kv head over its entries (post-RoPE q), the new token standing in for the
-  ring entry it takes over (the oldest). The block holding that entry also absorbs the leaving token (window 0:
-  the new token itself) into the fp32 slots, in place, adds the slot logits (pre-RoPE q) to its partials, and
-  finally writes the new token's key, RoPE'd key, value and gates over the entry.
-- `_decode_combine_kernel`, per (sequence x kv head): the partials under one softmax -> the output; then the
-  entry's mask and the ring start move. Those two are shared by all heads and blocks of a sequence, which is
-  why they wait for this second launch.
-Nothing is allocated but the output and the partials, so the step can be captured in a CUDA graph.
+One launch, split over the window like flash-decoding, so a long window is read by many programs at once. Program
+(sequence x kv head, block of BLOCK window entries):
+- the softmax partials (max, sum, P.V) of the G query heads of that kv head over its entries (post-RoPE q), the
+  new token standing in for the ring entry it takes over (the oldest);
+- the block holding that entry also absorbs the leaving token (window 0: the new token itself) into the fp32
+  slots, in place, adds the slot logits (pre-RoPE q) to its partials, and finally writes the new token's key,
+  RoPE'd key, value and gates over the entry;
+- the last block of a (sequence, kv head) to finish (a counter, `_counters`) merges the blocks' partials into the
+  output; a window of one block writes its output directly;
+- the last kv head of a sequence to finish (a second counter) writes the new token's mask into its ring entry and
+  moves the ring start one on: every program of the sequence reads those two, so they move only after all have.
+The counters are reset by the programs that see them complete, so consecutive steps (and CUDA-graph replays) find
+them at zero. Nothing is allocated but the output and, for windows longer than one block, the partials.
 """
 
 import torch
@@ -19,7 +22,7 @@ import triton.language as tl
 from ..modeling.nha_state import NHAState
 from .chunk_fwd import alloc, launched
 
-BLOCK = 64  # window entries per program: a long window is read by many programs at once, then combined
+BLOCK = 64  # window entries per program: a long window is read by many programs at once, then merged
 
 
 @triton.jit
@@ -31,17 +34,46 @@ def _token_real(TOKEN_MASK, stride_mask, b, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _decode_block_kernel(
+def _merge_partials(PART_ACC, PART_ML, pid, NBLK, r, offs_dv, BR: tl.constexpr, DV: tl.constexpr):
+    """The NBLK blocks' partials of program row `pid` under one softmax: (sum, P.V). Read through L2 (".cg"):
+    other programs wrote them."""
+    m_i = tl.full([BR], float("-inf"), tl.float32)
+    l_i = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, DV], tl.float32)
+    for blk in range(NBLK):
+        part = pid.to(tl.int64) * NBLK + blk
+        m_b = tl.load(PART_ML + (part * 2) * BR + r, cache_modifier=".cg")
+        l_b = tl.load(PART_ML + (part * 2 + 1) * BR + r, cache_modifier=".cg")
+        acc_b = tl.load(PART_ACC + (part * BR + r[:, None]) * DV + offs_dv[None, :], cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_b)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        old, add = tl.exp(m_i - m_use), tl.exp(m_b - m_use)
+        l_i = l_i * old + l_b * add
+        acc = acc * old[:, None] + acc_b * add[:, None]
+        m_i = m_new
+    return l_i, acc
+
+
+@triton.jit
+def _store_output(O, l_i, acc, new_real, b, h, r, offs_dv, HQ: tl.constexpr, GQ: tl.constexpr, DV: tl.constexpr):
+    """o = P.V / sum for the G query heads (0 for a padding token or rows that see nothing)."""
+    ok = new_real & (l_i > 0)
+    out = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
+    ooff = (b * HQ + h * GQ + r).to(tl.int64) * DV
+    tl.store(O + ooff[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=(r < GQ)[:, None])
+
+
+@triton.jit
+def _decode_kernel(
     Q, QR, K, KR, V, LA, TOKEN_MASK, stride_mask,
-    WK, WKR, WV, WLA, WMASK, WSTART, SK, SV, FILLED, BIAS, PART_ACC, PART_ML,
-    P, scale,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, RING: tl.constexpr,
+    WK, WKR, WV, WLA, WMASK, WSTART, SK, SV, FILLED, BIAS, O, PART_ACC, PART_ML, COUNT,
+    P, scale, NSEQ,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, RING: tl.constexpr, SINGLE: tl.constexpr,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Program (sequence x kv head, window block): the G query heads' softmax partials (running max, sum, P.V)
-    over BN window entries; the block holding the ring entry `pos` also owns the slots (absorbs, reads them) and
-    finally writes the new token over `pos`."""
+    """Program (sequence x kv head, window block), see the module docstring. SINGLE: one block covers the window
+    (no partials). COUNT: [B * H] finished blocks per (sequence, kv head), then [NSEQ] finished heads per sequence."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid // H
@@ -121,10 +153,6 @@ def _decode_block_kernel(
         vw = tl.where(is_new, v_new[None, :].to(vw.dtype), vw)
         acc = acc * rescale[:, None] + tl.dot(pw.to(vw.dtype), vw, input_precision=PREC)
         m_i = m_new
-    part = pid.to(tl.int64) * tl.num_programs(1) + blk
-    tl.store(PART_ACC + (part * BR + r[:, None]) * DV + offs_dv[None, :], acc)
-    tl.store(PART_ML + (part * 2) * BR + r, m_i)
-    tl.store(PART_ML + (part * 2 + 1) * BR + r, l_i)
     if RING:
         if blk == owner:
             tl.debug_barrier()  # every thread of this program has read the entry before it is overwritten
@@ -133,48 +161,28 @@ def _decode_block_kernel(
             tl.store(WKR + entry * D + offs_d, kr_new.to(WKR.dtype.element_ty))
             tl.store(WV + entry * DV + offs_dv, v_new.to(WV.dtype.element_ty))
             tl.store(WLA + entry * M + offs_m, la_new.to(WLA.dtype.element_ty))
-
-
-@triton.jit
-def _decode_combine_kernel(
-    PART_ACC, PART_ML, O, TOKEN_MASK, stride_mask, WMASK, WSTART, P, NBLK,
-    HAS_MASK: tl.constexpr, RING: tl.constexpr, HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr,
-    DV: tl.constexpr, BR: tl.constexpr,
-):
-    """Program (sequence x kv head): the blocks' partials under one softmax -> the G query heads' outputs. The
-    kv head 0 program then writes the new token's mask into its ring entry and moves the ring start one on (all
-    readers of the two, the block kernel's programs, are done)."""
-    pid = tl.program_id(0)
-    b = pid // H
-    h = pid % H
-    r = tl.arange(0, BR)
-    offs_dv = tl.arange(0, DV)
-    m_i = tl.full([BR], float("-inf"), tl.float32)
-    l_i = tl.zeros([BR], tl.float32)
-    acc = tl.zeros([BR, DV], tl.float32)
-    for blk in range(NBLK):
-        part = pid.to(tl.int64) * NBLK + blk
-        m_b = tl.load(PART_ML + (part * 2) * BR + r)
-        l_b = tl.load(PART_ML + (part * 2 + 1) * BR + r)
-        acc_b = tl.load(PART_ACC + (part * BR + r[:, None]) * DV + offs_dv[None, :])
-        m_new = tl.maximum(m_i, m_b)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        old, add = tl.exp(m_i - m_use), tl.exp(m_b - m_use)
-        l_i = l_i * old + l_b * add
-        acc = acc * old[:, None] + acc_b * add[:, None]
-        m_i = m_new
-    new_real = _token_real(TOKEN_MASK, stride_mask, b, HAS_MASK)
-    ok = new_real & (l_i > 0)
-    out = tl.where(ok[:, None], acc / tl.where(ok, l_i, 1.0)[:, None], 0.0)
-    rv = r < GQ
-    ooff = (b * HQ + h * GQ + r).to(tl.int64) * DV
-    tl.store(O + ooff[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=rv[:, None])
+    if SINGLE:
+        _store_output(O, l_i, acc, new_real, b, h, r, offs_dv, HQ, GQ, DV)
+        head_done = True
+    else:
+        nblk = tl.num_programs(1)
+        part = pid.to(tl.int64) * nblk + blk
+        tl.store(PART_ACC + (part * BR + r[:, None]) * DV + offs_dv[None, :], acc)
+        tl.store(PART_ML + (part * 2) * BR + r, m_i)
+        tl.store(PART_ML + (part * 2 + 1) * BR + r, l_i)
+        tl.debug_barrier()  # all of this program's stores and reads come before its count (a release)
+        head_done = tl.atomic_add(COUNT + pid, 1, sem="acq_rel") == nblk - 1
+        if head_done:  # the last block of this (sequence, kv head): the others' partials are visible
+            l_i, acc = _merge_partials(PART_ACC, PART_ML, pid, nblk, r, offs_dv, BR, DV)
+            _store_output(O, l_i, acc, new_real, b, h, r, offs_dv, HQ, GQ, DV)
+            tl.store(COUNT + pid, 0)
     if RING:
-        if h == 0:
-            pos = tl.load(WSTART + b)
-            tl.debug_barrier()  # every thread has read the start before it moves
-            tl.store(WMASK + b * P + pos, new_real.to(tl.int8))
-            tl.store(WSTART + b, (pos + 1) % P)
+        if head_done:
+            tl.debug_barrier()
+            if tl.atomic_add(COUNT + NSEQ * H + b, 1, sem="acq_rel") == H - 1:  # the sequence's last head
+                tl.store(WMASK + b * P + pos, new_real.to(tl.int8))
+                tl.store(WSTART + b, (pos + 1) % P)
+                tl.store(COUNT + NSEQ * H + b, 0)
 
 
 def nha_recurrent_step_triton(
@@ -196,26 +204,38 @@ def nha_recurrent_step_triton(
         token_mask = token_mask.view(torch.int8)
     out = alloc(batch, 1, q_heads, value_dim, dtype=q.dtype, device=q.device)
     mask_args = (out, 0) if token_mask is None else (token_mask, token_mask.stride(0))
-    window_mask = state.window_mask.view(torch.int8)
     groups = q_heads // kv_heads
     rows = max(16, triton.next_power_of_2(groups))
     blocks = max(triton.cdiv(window, BLOCK), 1)
-    part_acc = torch.empty(batch * kv_heads * blocks * rows * value_dim, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(batch * kv_heads * blocks * 2 * rows, dtype=torch.float32, device=q.device)
-    shape = dict(HQ=q_heads, H=kv_heads, GQ=groups, DV=value_dim, BR=rows)
-    flags = dict(HAS_MASK=token_mask is not None, RING=window > 0)
-    _decode_block_kernel[(batch * kv_heads, blocks)](
+    if blocks == 1:  # no partials: the one block writes the output
+        part_acc = part_ml = out
+    else:
+        part_acc = torch.empty(batch * kv_heads * blocks * rows * value_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch * kv_heads * blocks * 2 * rows, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch * kv_heads, blocks)](
         q.contiguous(), q_rope.contiguous(), k.contiguous(), k_rope.contiguous(), v.contiguous(),
         log_alpha.contiguous(), *mask_args,
-        state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha, window_mask,
-        state.window_start, state.slot_keys, state.slot_values, state.slots_filled.view(torch.int8),
-        out if slot_bias is None else slot_bias.float().contiguous(), part_acc, part_ml,
-        window, float(scale), HAS_BIAS=slot_bias is not None, **flags, **shape, D=head_dim, M=slots, BN=BLOCK,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha,
+        state.window_mask.view(torch.int8), state.window_start, state.slot_keys, state.slot_values,
+        state.slots_filled.view(torch.int8), out if slot_bias is None else slot_bias.float().contiguous(), out,
+        part_acc, part_ml, _counters(q.device, batch * (kv_heads + 1)),
+        window, float(scale), batch, HAS_MASK=token_mask is not None, HAS_BIAS=slot_bias is not None,
+        RING=window > 0, SINGLE=blocks == 1, HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim,
+        M=slots, BR=rows, BN=BLOCK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
     )
-    launched("decode blocks")
-    _decode_combine_kernel[(batch * kv_heads,)](part_acc, part_ml, out, *mask_args, window_mask, state.window_start,
-                                                window, blocks, **flags, **shape, num_warps=4)
-    launched("decode combine")
+    launched("decode")
     return out, state
+
+
+_COUNTERS = {}  # (device, stream) -> int32 zeros that the decode kernel counts in and leaves at zero
+
+
+def _counters(device, size):
+    """The decode kernel's completion counters for the current stream (steps on one stream run one after the
+    other, so they can share them; another stream gets its own)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < size:
+        counters = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+    return counters

@@ -29,7 +29,8 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the attention mask's column
-DECODE_POINTERS = dict(WK=BF, WV=BF, LA=F32, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32, PART_ML=F32)
+DECODE_POINTERS = dict(WK=BF, WV=BF, LA=F32, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32, PART_ML=F32,
+                       COUNT=I32)
 
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
@@ -91,9 +92,9 @@ def cases(HQ, H, D, M):
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
                 (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, DV=D, BR=max(16, pow2(G)), HAS_MASK=True, RING=True)
-    out += [("decode blocks", decode._decode_block_kernel,
-             dict(dec, D=D, M=M, BN=decode.BLOCK, HAS_BIAS=True, PREC="tf32"), 8, 2),
-            ("decode combine", decode._decode_combine_kernel, dec, 4, 2)]
+    dec = dict(dec, D=D, M=M, BN=decode.BLOCK, HAS_BIAS=True, PREC="tf32")
+    out += [("decode, one block", decode._decode_kernel, dict(dec, SINGLE=True), 8, 2),
+            ("decode, merged blocks", decode._decode_kernel, dict(dec, SINGLE=False), 8, 2)]
     return out + slot_bwd_cases(HQ, H, D, M)
 
 

@@ -215,11 +215,12 @@ def test_prefill_state_and_200_decode_steps_match_chunk_kernel(window, M, heads,
         assert len(pointers) == 1
 
 
-def test_decode_steps_replay_from_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("window", [64, 130])  # one window block; three, merged through the completion counters
+def test_decode_steps_replay_from_a_cuda_graph(monkeypatch, window):
     """28 layers' decode steps capture in one CUDA graph (the state is updated in place, nothing is allocated
-    but the outputs); 100 replays on new tokens equal 100 eager steps from the same state."""
+    but the outputs and partials); 100 replays on new tokens equal 100 eager steps from the same state."""
     monkeypatch.setenv("NHA_KERNEL_SYNC", "0")
-    layers, steps, window, HQ, H, D, M, dtype = 28, 100, 64, 32, 8, 128, 64, torch.bfloat16
+    layers, steps, HQ, H, D, M, dtype = 28, 100, 32, 8, 128, 64, torch.bfloat16
     T0 = 150
     inputs = cuda_inputs(T0 + steps, HQ, H, D, M, dtype, 1)
     args = [inputs[n].to(dtype) for n in NAMES[:6]]
