@@ -34,6 +34,16 @@ def llama3_8b_config(layers: int) -> NHALlamaConfig:
     )
 
 
+def build_on_gpu(model_class, config):
+    """The model built on the GPU in bf16 (no multi-GB CPU initialisation)."""
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return model_class(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def timed(fn, repeats=3):
     times = []
     for _ in range(repeats):
@@ -84,10 +94,7 @@ def original_model(model):
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings", "rope_parameters")
     config = LlamaConfig(**{name: getattr(model.config, name) for name in fields})
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        original = LlamaForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
+    original = build_on_gpu(LlamaForCausalLM, config).eval()
     loaded = original.load_state_dict(model.state_dict(), strict=False)
     assert not loaded.missing_keys, loaded.missing_keys
     return original
@@ -103,10 +110,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args()
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):  # built on the GPU in bf16: no multi-GB CPU initialisation
-        model = NHALlamaForCausalLM(llama3_8b_config(args.layers))
-    torch.set_default_dtype(torch.float32)
+    model = build_on_gpu(NHALlamaForCausalLM, llama3_8b_config(args.layers))
     train_attention_only(model)
     ids = torch.randint(0, 128256, (1, args.tokens), device="cuda")
     assert modeling.KERNELS_AVAILABLE, "Triton kernels did not import"

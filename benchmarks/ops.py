@@ -137,35 +137,43 @@ def run_fla_gsa(T, mode):
     return bench(lambda: torch.autograd.grad(f(), (q, k, v, s, gg), do))
 
 
-def run_decode(layers=28, window=64):
-    """Per-token time of the decode step for `layers` NHA layers (full window, filled slots), batch 1: eager and
-    graph-replayed. Each step updates the states in place (the ring's oldest entry absorbed and overwritten), so
-    a replay is a real generation step, state update included."""
-    g = torch.Generator(device="cuda").manual_seed(4)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+def decode_layers(layers, window, device="cuda"):
+    """`layers` NHA layers' decode inputs, batch 1: (states with a full window and filled slots, one token each,
+    the slot bias, an all-ones attention mask)."""
+    g = torch.Generator(device=device).manual_seed(4)
+    r = lambda *s: torch.randn(*s, device=device, generator=g, dtype=torch.bfloat16)  # noqa: E731
     states, tokens = [], []
     for _ in range(layers):
         st = NHAState(
-            slot_keys=torch.randn(B, H, M, D, device="cuda", generator=g),
-            slot_values=torch.randn(B, H, M, D, device="cuda", generator=g),
-            slots_filled=torch.ones(B, dtype=torch.bool, device="cuda"),
+            slot_keys=torch.randn(B, H, M, D, device=device, generator=g),
+            slot_values=torch.randn(B, H, M, D, device=device, generator=g),
+            slots_filled=torch.ones(B, dtype=torch.bool, device=device),
             window_keys=r(B, window, H, D), window_keys_rope=r(B, window, H, D), window_values=r(B, window, H, D),
-            window_log_alpha=F.logsigmoid(torch.randn(B, window, H, M, device="cuda", generator=g)) / 8,
-            window_mask=torch.ones(B, window, dtype=torch.bool, device="cuda"),
+            window_log_alpha=F.logsigmoid(torch.randn(B, window, H, M, device=device, generator=g)) / 8,
+            window_mask=torch.ones(B, window, dtype=torch.bool, device=device),
         )
         states.append(st)
         tokens.append(dict(q=r(B, 1, HQ, D), k=r(B, 1, H, D), v=r(B, 1, H, D), q_rope=r(B, 1, HQ, D),
                            k_rope=r(B, 1, H, D), log_alpha=(F.logsigmoid(r(B, 1, H, M).float()) / 8)))
-    bias = torch.full((HQ,), -4.0, device="cuda")
-    mask = torch.ones(B, window + 1, dtype=torch.long, device="cuda")
+    bias = torch.full((HQ,), -4.0, device=device)
+    mask = torch.ones(B, window + 1, dtype=torch.long, device=device)
+    return states, tokens, bias, mask
+
+
+def decode_step(step_fn, states, tokens, bias, mask, window):
+    """One decode step of every layer through `step_fn` (a `nha_recurrent_step_triton`): the outputs."""
+    return [step_fn(**tok, window=window, scale=D**-0.5, state=st, attention_mask=mask, slot_bias=bias)[0]
+            for st, tok in zip(states, tokens)]
+
+
+def run_decode(layers=28, window=64):
+    """Per-token time of the decode step for `layers` NHA layers (full window, filled slots), batch 1: eager and
+    graph-replayed. Each step updates the states in place (the ring's oldest entry absorbed and overwritten), so
+    a replay is a real generation step, state update included."""
+    states, tokens, bias, mask = decode_layers(layers, window)
 
     def step():
-        outs = []
-        for st, tok in zip(states, tokens):
-            o, _ = nha_recurrent_step_triton(**tok, window=window, scale=D**-0.5, state=st, attention_mask=mask,
-                                             slot_bias=bias)
-            outs.append(o)
-        return outs
+        return decode_step(nha_recurrent_step_triton, states, tokens, bias, mask, window)
 
     step()
     torch.cuda.synchronize()

@@ -28,7 +28,8 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32)
 
-# the decode state's window tensors (the model's dtype), its gates and ring start, the attention mask's column
+# the decode state's window tensors (the model's dtype), its gates and ring start, the attention mask's column,
+# the softmax partials and the completion counters
 DECODE_POINTERS = dict(WK=BF, WV=BF, LA=F32, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32, PART_ML=F32,
                        COUNT=I32)
 
@@ -91,8 +92,8 @@ def cases(HQ, H, D, M):
         out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
                 (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
-    dec = dict(HQ=HQ, H=H, GQ=G, DV=D, BR=max(16, pow2(G)), HAS_MASK=True, RING=True)
-    dec = dict(dec, D=D, M=M, BN=decode.BLOCK, HAS_BIAS=True, PREC="tf32")
+    dec = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=decode.BLOCK, HAS_MASK=True,
+               HAS_BIAS=True, RING=True, PREC="tf32")
     out += [("decode, one block", decode._decode_kernel, dict(dec, SINGLE=True), 8, 2),
             ("decode, merged blocks", decode._decode_kernel, dict(dec, SINGLE=False), 8, 2)]
     return out + slot_bwd_cases(HQ, H, D, M)

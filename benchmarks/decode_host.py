@@ -1,0 +1,89 @@
+"""Host time of the eager decode step (batch 1 is host-bound: the GPU waits on launches), on the GPU machine.
+
+Prints, in one process:
+- 28 layers' eager decode steps (ms), windows 64 and 2048, with and without an attention mask; with --previous,
+  alternating with another version of `nha_retrofit/kernels/decode.py` (e.g. one taken from git history), so both
+  see the same host noise;
+- one step alone, the gate's ops (`g_proj`, float, logsigmoid, divide) and a full layer's cache concatenation +
+  SDPA at 8K keys (us of host time per call): the parts of an NHA layer's decode against a full layer's.
+
+Usage: PYTHONPATH=. python benchmarks/decode_host.py [--previous old_decode.py] [--repeats 4]
+(e.g. `git show 0663cff:nha_retrofit/kernels/decode.py > /tmp/old_decode.py`: the two-launch step of session 9)
+"""
+
+import argparse
+import importlib.util
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ops import HQ, D, H, M, B, decode_layers, decode_step
+from nha_retrofit.kernels import decode
+
+
+def load_previous(path):
+    """`path` (a decode.py) as a module of the kernels package, so its relative imports resolve."""
+    spec = importlib.util.spec_from_file_location("nha_retrofit.kernels.decode_previous", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def host_us(fn, calls):
+    """(host us per call, wall us per call) of `calls` back-to-back calls, after a warm-up."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / calls, 1e6 * (time.perf_counter() - start) / calls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--previous", help="another decode.py to time against, alternating")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    versions = {"current": decode}
+    if args.previous:
+        versions["previous"] = load_previous(args.previous)
+
+    for window in (64, 2048):
+        states, tokens, bias, ones = decode_layers(28, window)
+        for mask in (None, ones):
+            runs = {name: [] for name in versions}
+            for _ in range(args.repeats):
+                for name, module in versions.items():
+                    step = lambda: decode_step(module.nha_recurrent_step_triton, states, tokens, bias, mask, window)  # noqa: E731
+                    runs[name].append(host_us(step, args.steps)[1] / 1e3)
+            for name, ms in runs.items():
+                print(f"28 layers eager, w={window}, mask {'yes' if mask is not None else 'no'}, {name}: median "
+                      f"{statistics.median(ms):.3f} ms ({', '.join(f'{x:.3f}' for x in ms)})", flush=True)
+
+    states, tokens, bias, _ = decode_layers(1, 64)
+    for name, module in versions.items():
+        step = lambda: decode_step(module.nha_recurrent_step_triton, states, tokens, bias, None, 64)  # noqa: E731
+        print(f"one step alone, w=64, {name}: host {host_us(step, 300)[0]:.1f} us")
+    x = torch.randn(B, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    gate = torch.nn.Linear(4096, H * M, bias=False, device="cuda", dtype=torch.bfloat16)
+    print(f"gate ops: host {host_us(lambda: F.logsigmoid(gate(x).view(B, 1, H, M).float()) / 8, 300)[0]:.1f} us")
+    q, k, v = (torch.randn(B, heads, 1, D, device="cuda", dtype=torch.bfloat16) for heads in (HQ, H, H))
+    cache_k, cache_v = (torch.randn(B, H, 8192, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def full_layer():
+        keys, values = torch.cat([cache_k, k], 2), torch.cat([cache_v, v], 2)
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        print(f"full layer's cache concatenation + SDPA, 8K keys: host {host_us(full_layer, 100)[0]:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
