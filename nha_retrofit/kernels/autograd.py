@@ -20,7 +20,6 @@ class _NHAFunction(torch.autograd.Function):
         o, lse, states = chunk_fwd.forward(prep, scale, has_slots)
         ctx.prep, ctx.scale, ctx.has_slots = prep, scale, has_slots
         ctx.states = states if chunk_fwd.CONFIG["save_states"] and any(ctx.needs_input_grad) else None
-        ctx.bias_none = slot_bias is None
         ctx.save_for_backward(lse)
         return o
 
@@ -33,21 +32,22 @@ class _NHAFunction(torch.autograd.Function):
         # backward adds its share in place
         delta = window_delta(p, do, lse, scale)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
+        bias_grad = ctx.needs_input_grad[6]
         if ctx.has_slots:
-            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.states)
+            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.states, bias_grad)
             ctx.states = None
         else:  # every position sees its whole past through the window
             dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
-            dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ)
+            dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ) if bias_grad else None
         if p.W > 0:
             dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
-            dv += dv_w
+            dv = torch.add(dv, dv_w, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
         else:
             dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
-        cast = lambda g, like: g.to(like.dtype)  # noqa: E731
+        cast = lambda g, like: g.to(like.dtype)  # noqa: E731 (a no-op for what the kernels store in the inputs' dtypes)
         return (
             cast(dq, p.q), cast(dk, p.k), cast(dv, p.v), cast(dqr, p.q_rope), cast(dkr, p.k_rope),
-            cast(dla, p.log_alpha), None if ctx.bias_none else dbias, None, None, None,
+            cast(dla, p.log_alpha), dbias, None, None, None,
         )
 
 

@@ -25,6 +25,7 @@ column halves of the accumulator, so fewer [rows x 128] fp32 tiles are live at o
 `regreport.py`).
 """
 
+import math
 import os
 
 import torch
@@ -57,15 +58,35 @@ def alloc(*shape, dtype, device):
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+_CONSTANTS = {}  # (value, dtype, device) -> the fill buffers handed out so far, the largest last
+
+
+def constant(shape, value, dtype, device):
+    """A read-only tensor of `shape` filled with `value`: a view of one cached buffer per (value, dtype, device), so
+    a step without a mask or a slot bias launches no fill kernels (each costs ~20 us of host time on the H200's
+    host). A buffer outgrown is kept, since a captured CUDA graph may still read it; during capture the fill is
+    fresh (the cache must not hand out memory of the graph's private pool)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full(shape, value, dtype=dtype, device=device)
+    n = math.prod(shape)
+    buffers = _CONSTANTS.setdefault((value, dtype, device), [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.full((max(n, 2 * buffers[-1].numel() if buffers else 4096),), value, dtype=dtype,
+                                  device=device))
+    return buffers[-1][:n].view(shape)
+
+
 @triton.jit
 def _chunk_update_kernel(
     X, X2, G, MASK, U, DEC,
     sx_b, sx_t, sx_h, sg_b, sg_t, sg_h,
     T, W, NCH,
     H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, ZERO_FIRST: tl.constexpr,
 ):
-    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last).
+    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last), and
+    with ZERO_FIRST the zero state before chunk 0 in U[0].
     Program axis 2 runs over the column blocks of X, then (if it is twice as long) of X2, an input of the same
     layout whose states follow X's in U (the key and the value states in one launch)."""
     c = tl.program_id(0)
@@ -95,7 +116,11 @@ def _chunk_update_kernel(
         x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     upd = dot_xb(tl.trans(wgt), x, PREC)  # x: upcast inputs, exact in the split format
     base = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * (NCH + 1) + c + 1
-    tl.store(U + base * M * DX + offs_m[:, None] * DX + offs_d[None, :], upd, mask=dmask[None, :])
+    tile = offs_m[:, None] * DX + offs_d[None, :]
+    tl.store(U + base * M * DX + tile, upd, mask=dmask[None, :])
+    if ZERO_FIRST:
+        if c == 0:
+            tl.store(U + (base - 1) * M * DX + tile, tl.zeros([M, BD], dtype=tl.float32), mask=dmask[None, :])
     if tl.program_id(2) == 0:
         tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, tl.exp(a_last))
 
@@ -423,15 +448,15 @@ class Prepared:
         self.log_alpha = log_alpha.contiguous()
         self.W = self.T if window is None else int(window)
         dev = q.device
-        if attention_mask is None:  # every token real: the first real one is 0 (two launches, not eight)
-            self.mask = torch.ones(self.B, self.T, dtype=torch.int32, device=dev)
-            self.first = torch.zeros(self.B, dtype=torch.int32, device=dev)
+        if attention_mask is None:  # every token real: the first real one is 0 (no launches: cached fills)
+            self.mask = constant((self.B, self.T), 1, torch.int32, dev)
+            self.first = constant((self.B,), 0, torch.int32, dev)
         else:
             self.mask = attention_mask[:, -self.T:].to(torch.int32).contiguous()
             has_real = self.mask.bool().any(1)
             first = self.mask.to(torch.int8).argmax(1).to(torch.int32)
             self.first = torch.where(has_real, first, torch.full_like(first, 2**30)).contiguous()
-        self.bias = (torch.zeros(self.HQ, dtype=torch.float32, device=dev) if slot_bias is None
+        self.bias = (constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None
                      else slot_bias.float().contiguous())
         self.prec = dot_precision(q.dtype)
         self.nch = triton.cdiv(self.T, CS)
@@ -460,13 +485,15 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False):
     _chunk_update_kernel[(nch, B * H, S * triton.cdiv(DX, BD))](
         x, xs[-1], log_alpha, mask, out, dec,
         x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
-        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(x.dtype), num_warps=4,
+        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(x.dtype), ZERO_FIRST=initial is None,
+        num_warps=4,
     )
     launched("chunk_update")
     s0 = initial.contiguous().float() if initial is not None else out
     BM, BDS = scan_tile(M, DX, 16)
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
-        out[:, :, :, 0] = 0.0 if initial is None else s0
+        if initial is not None:
+            out[:, :, :, 0] = s0
         flat = out.view(S * B * H, nch + 1, M, DX)
         segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
                              x0=None if initial is None else s0.view(S * B * H, M, DX))
@@ -634,7 +661,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     lse = alloc(B, T, HQ, dtype=torch.float32, device=dev)
     has_window = p.W > 0
     if filled0 is None:
-        filled0 = torch.zeros(B, dtype=torch.int32, device=dev)
+        filled0 = constant((B,), 0, torch.int32, dev)
     if has_slots:
         sk, sv, dec = kv_states(p, initial_keys, initial_values)
     else:

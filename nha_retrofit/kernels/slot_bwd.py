@@ -96,12 +96,6 @@ def reverse_scan(cont, dec):
     return out
 
 
-def suffix_sum(x, dim):
-    """Reverse cumulative sum of x along `dim`, scanned along the innermost dimension: PyTorch scans an outer
-    dimension with one thread per column, 11.5 ms for dA [1, 8, 32768, 64] on the H200."""
-    return x.movedim(dim, -1).flip(-1).contiguous().cumsum(-1).flip(-1).movedim(-1, dim)
-
-
 @triton.jit
 def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
                  M: tl.constexpr, CSZ: tl.constexpr):
@@ -208,6 +202,16 @@ def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
     jv = (j >= 0) & (j < T - W)
     tl.store(OUT + (b * so_b + j.to(tl.int64) * so_t + h * so_h)[:, None] + offs_c[None, :],
              acc.to(OUT.dtype.element_ty), mask=jv[:, None])
+
+
+@triton.jit
+def _store_tail_zeros(OUT, b, h, so_b, so_t, so_h, cols, cs0, T, W, CSZ: tl.constexpr, BC: tl.constexpr):
+    """Zeros into OUT[b, j, h, cols] (BC columns) for this chunk's share j = T - W + cs0 + (0 .. CS - 1), j < T, of
+    the last W tokens: no stream chunk holds them (no query reads them through the slots), and the T / CS chunks of
+    a grid clear all W < T of them."""
+    jt = T - W + cs0 + tl.arange(0, CSZ)
+    tl.store(OUT + (b * so_b + jt.to(tl.int64) * so_t + h * so_h)[:, None] + cols[None, :],
+             tl.zeros([CSZ, BC], dtype=OUT.dtype.element_ty), mask=(jt < T)[:, None])
 
 
 @triton.jit
@@ -355,27 +359,30 @@ def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0
 
 
 @triton.jit
-def _store_da(E, DA, XA, uv, g, jr, pid_bh, cs0, offs_m, T, L, M: tl.constexpr, CSZ: tl.constexpr):
-    """DA[u] = E[u] - s_u UV[u] and XA[u] = -alpha_u UV[u] for the chunk's stream positions (slots offs_m)."""
+def _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M: tl.constexpr, CSZ: tl.constexpr):
+    """DA[u] = E[u] - s_u UV[u] and XA[u] = -alpha_u UV[u] for the chunk's stream positions (slots offs_m), and
+    the chunk's sum of DA in TOT [B * H, M, NCH]."""
     u = cs0 + tl.arange(0, CSZ)
     e_off = (pid_bh.to(tl.int64) * L + u) * M
     e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
     s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    tl.store(DA + e_off[:, None] + offs_m[None, :], e - s * uv)
+    da = e - s * uv
+    tl.store(DA + e_off[:, None] + offs_m[None, :], da)
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
+    tl.store(TOT + (pid_bh.to(tl.int64) * M + offs_m) * NCH + c, tl.sum(da, 0))
 
 
 @triton.jit
 def _keys_da_kernel(
-    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA,
+    Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA, TOT,
     sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
     SPREC: tl.constexpr, BM: tl.constexpr, LIMIT: tl.constexpr,
 ):
-    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, for the
-    slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent).
+    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, and the chunk's
+    sum of DA (TOT), for the slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent).
     The loop over query blocks keeps only the gates' cumsum a live (the blocks' split comes from it, the gates
     are reloaded at the end)."""
     c = tl.program_id(0)
@@ -419,7 +426,7 @@ def _keys_da_kernel(
         uv += _da_side(DO, orow, V, vrow, WV, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr,
                        causal, a_in, a, a_ref, factored, direct, T, W, DV, BD, BM, BR, CQB, CSZ, PREC, SPREC)
     g, _, _, _ = _chunk_gates(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, BM, CSZ)
-    _store_da(E, DA, XA, uv, g, jr, pid_bh, cs0, offs_m, T, L, M, CSZ)
+    _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M, CSZ)
 
 
 def slot_bwd_precision(dtype, slots):
@@ -438,11 +445,12 @@ def _strides(p, do):
 
 
 @triton.jit
-def _alpha_grad_kernel(DA, XA, CARRY, MASK, DLA, sd_b, sd_t, sd_h, T, W, NCH, L,
+def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, sd_t, sd_h, T, W, NCH, L,
                        H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, BM: tl.constexpr):
-    """DLA[b, j, h] = sum_{u >= j + W} DA[u] + XA[j + W] for the real tokens j < T - W (the others stay zero), per
-    (stream chunk, batch x kv head, slot block): the chunk's own reverse cumsum plus CARRY (the later chunks' sum),
-    written straight into the [B, T, H, M] layout."""
+    """DLA[b, j, h] = sum_{u >= j + W} DA[u] + XA[j + W] for the real tokens j < T - W and zero for the others, per
+    (stream chunk, batch x kv head, slot block): the chunk's own reverse cumsum plus the later chunks' sum
+    (LATER [B * H, M, NCH]: the cumsum of the chunk sums in reverse chunk order, so chunk c's carry sits at
+    NCH - 2 - c), written straight into the [B, T, H, M] layout."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     offs_m = tl.program_id(2) * BM + tl.arange(0, BM)
@@ -450,45 +458,40 @@ def _alpha_grad_kernel(DA, XA, CARRY, MASK, DLA, sd_b, sd_t, sd_h, T, W, NCH, L,
     h = pid_bh % H
     u = c * CSZ + tl.arange(0, CSZ)
     off = (pid_bh.to(tl.int64) * L + u)[:, None] * M + offs_m[None, :]
-    carry = tl.load(CARRY + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m)
+    carry = tl.load(LATER + (pid_bh.to(tl.int64) * M + offs_m) * NCH + NCH - 2 - c,
+                    mask=(c + 0 * offs_m) < NCH - 1, other=0.0)  # (a vector mask: the interpreter lacks scalar ones)
     dla = tl.cumsum(tl.load(DA + off), axis=0, reverse=True) + carry[None, :] + tl.load(XA + off)
     j = u - W
-    ok = (j >= 0) & (j < T - W)
-    ok = ok & (tl.load(MASK + b * T + j, mask=ok, other=0) > 0)
-    tl.store(DLA + b * sd_b + j[:, None].to(tl.int64) * sd_t + h * sd_h + offs_m[None, :], dla, mask=ok[:, None])
+    inside = (j >= 0) & (j < T - W)
+    real = tl.load(MASK + b * T + j, mask=inside, other=0) > 0
+    tl.store(DLA + b * sd_b + j[:, None].to(tl.int64) * sd_t + h * sd_h + offs_m[None, :],
+             tl.where(real[:, None], dla, 0.0).to(DLA.dtype.element_ty), mask=inside[:, None])
+    _store_tail_zeros(DLA, b, h, sd_b, sd_t, sd_h, offs_m, c * CSZ, T, W, CSZ, BM)
 
 
-def _log_alpha_grad(p, dA, xa):
-    """d log_alpha [B, T, H, M] from the keys_da outputs [B, H, L, M] over stream positions u = j + W: the
-    suffix sum of dA plus xa, shifted back by the window; padding rows get none. One kernel: per chunk a reverse
-    cumsum plus the later chunks' sum (one kernel instead of ~8 PyTorch ops: 0.65 ms less per 32K step on the
-    H200, NOTES.md session 8)."""
+def _log_alpha_grad(p, dA, xa, totals):
+    """d log_alpha [B, T, H, M] in log_alpha's dtype from the keys_da outputs [B, H, L, M] over stream positions
+    u = j + W and their chunk sums `totals` [B, H, M, L / CS]: the suffix sum of dA plus xa, shifted back by the
+    window; padding rows get none. One kernel: per chunk a reverse cumsum plus the later chunks' sum (one kernel
+    instead of ~8 PyTorch ops: 0.65 ms less per 32K step on the H200, NOTES.md session 8), after two small ops (a
+    reverse cumsum over the chunk sums along their innermost dimension)."""
     B, H, L, M = dA.shape
     n = L // CS
-    totals = dA.view(B, H, n, CS, M).sum(3)
-    carry = suffix_sum(totals, 2) - totals  # the chunks after each chunk
-    dla = torch.zeros(B, p.T, H, M, dtype=torch.float32, device=dA.device)
+    later = totals.flip(-1).cumsum(-1)
+    dla = alloc(B, p.T, H, M, dtype=p.log_alpha.dtype, device=dA.device)
     bm = min(M, 64)
-    _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, carry.contiguous(), p.mask, dla, *dla.stride()[:3], p.T, p.W,
-                                            n, L, H=H, M=M, CSZ=CS, BM=bm)
+    _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, later, p.mask, dla, *dla.stride()[:3], p.T, p.W, n, L, H=H, M=M,
+                                            CSZ=CS, BM=bm)
     launched("alpha grad")
     return dla
 
 
 @triton.jit
-def _state_grad_kernel(
-    Y, WST, G, MASK, C_OUT,
-    sy_b, sy_t, sg_b, sg_t, sg_h,
-    T, W, NCH,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
-    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-    LIMIT: tl.constexpr,
-):
-    """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
-    log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
-    (q, Wk), CV with (dO, Wv))."""
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
-    offs_m = tl.arange(0, M)
+def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
+                      HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
+                      CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+                      LIMIT: tl.constexpr):
+    """sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols]: [M, BD]."""
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     acc = tl.zeros([M, BD], dtype=tl.float32)
     for blk in range(CSZ // CQB):
@@ -498,7 +501,35 @@ def _state_grad_kernel(
                                                           CSZ, True, False)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc = acc + dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
-    tl.store(C_OUT + (pid_bh.to(tl.int64) * NCH + c) * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _state_grad_kernel(
+    Y, WST, Y2, WST2, G, MASK, C_OUT,
+    sy_b, sy_t, sy2_b, sy2_t, sg_b, sg_t, sg_h,
+    T, W, NCH,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
+    CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
+    LIMIT: tl.constexpr,
+):
+    """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
+    log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
+    (q, Wk), CV with (dO, Wv)). Program axis 2 runs over the column blocks of (Y, WST), then (if it is twice as
+    long) of (Y2, WST2), whose results follow in C_OUT (both state gradients in one launch)."""
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    NDB: tl.constexpr = DX // BD
+    stream = tl.program_id(2) // NDB
+    offs_c = offs_c - stream * DX  # _keys_chunk's columns count over both streams
+    if stream == 0:
+        acc = _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
+                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT)
+    else:
+        acc = _state_grad_chunk(Y2, WST2, G, MASK, sy2_b, sy2_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
+                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT)
+    offs_m = tl.arange(0, M)
+    out = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * NCH + c
+    tl.store(C_OUT + out * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
 
 
 @triton.jit
@@ -536,8 +567,10 @@ def _keys_kernel(
             acc_v += dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
     if DO_K:
         _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
+        _store_tail_zeros(DK, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
     if DO_V:
         _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
+        _store_tail_zeros(DV_, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
 
 
 def launch_shape():
@@ -545,13 +578,14 @@ def launch_shape():
     return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
 
 
-def slot_backward_triton(p, do, lse, delta, scale, states=None):
-    """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias); dq and dk in the inputs' dtypes (stored
-    once, rounded in the kernel), the others fp32.
+def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
+    """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias or None without `bias_grad`); dq, dk and
+    dlog_alpha in the inputs' dtypes (stored once, rounded in the kernel), dv and dslot_bias fp32.
 
     `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is completed in place with the
     slot share, for the window backward that follows. `states`: the forward's (Sk, Sv, dec), else recomputed."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
+    assert T > W, "without slots (window >= T) the slot backward has nothing to do"
     n = p.nch
     L = n * CS
     dev = do.device
@@ -590,9 +624,12 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
     ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
                                                       alloc(B, H, n, M, DV, dtype=f32, device=dev))
-    for y, wst, out, dx in ((p.q, wk, ck, D), (do, wv, cv, DV)):
-        _state_grad_kernel[(n, B * H, dx // cols)](
-            y, wst, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), *sg, T, W, n, DX=dx, **grad_common,
+    state_grads = [(both, (p.q, wk, do, wv), D, 2)] if both is not None else [
+        (ck, (p.q, wk, p.q, wk), D, 1), (cv, (do, wv, do, wv), DV, 1)]  # one launch for both, or one each
+    for out, (y, wst, y2, wst2), dx, streams in state_grads:
+        _state_grad_kernel[(n, B * H, streams * dx // cols)](
+            y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), y2.stride(0), y2.stride(1), *sg,
+            T, W, n, DX=dx, **grad_common,
         )
         launched("slot bwd state_grad")
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
@@ -601,26 +638,23 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None):
     dv = alloc(B, T, H, DV, dtype=f32, device=dev)
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
-    if T > W:
-        kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-                dv.stride(0), dv.stride(1), dv.stride(2), *sg)
-        merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
-        sides = [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]
-        for do_k, do_v, dx in sides:
-            _keys_kernel[(n, B * H, dx // cols)](
-                p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *kstr, T, W, n,
-                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
-            )
-            launched("slot bwd keys")
-    # rows of tokens j >= T - W are read by no query: zero (the keys kernel stores j < T - W only)
-    dk[:, max(T - W, 0):] = 0
-    dv[:, max(T - W, 0):] = 0
+    totals = alloc(B, H, M, n, dtype=f32, device=dev)
+    kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2), *sg)
+    merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
+    sides = [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]
+    for do_k, do_v, dx in sides:
+        _keys_kernel[(n, B * H, dx // cols)](
+            p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *kstr, T, W, n,
+            D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
+        )
+        launched("slot bwd keys")
     bm = min(M, CONFIG.get("keys_da_slots") or M)
     da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
     _keys_da_kernel[(n, B * H, M // bm)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, *strides, T, W, n, L,
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *strides, T, W, n, L,
         D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
     )
     launched("slot bwd keys_da")
-    return dq, dk, dv, _log_alpha_grad(p, dA, xa), dbr.sum((0, 1))
+    return dq, dk, dv, _log_alpha_grad(p, dA, xa, totals), dbr.sum((0, 1)) if bias_grad else None
 

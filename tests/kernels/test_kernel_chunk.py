@@ -127,19 +127,22 @@ def test_value_dim_other_than_head_dim(D, DV):
     test_forward_backward_matches_float64_reference((300, 8, 2, D, 64, 40, torch.bfloat16, 2), value_dim=DV)
 
 
-def test_training_step_replays_from_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("masked", [True, False], ids=["mask_and_bias", "neither"])
+def test_training_step_replays_from_a_cuda_graph(monkeypatch, masked):
     """Forward + backward capture in one CUDA graph (no host synchronization, no data-dependent host work: the
-    remedy for host-bound short sequences); a replay on new input values equals the eager step bit for bit."""
+    remedy for host-bound short sequences); a replay on new input values equals the eager step bit for bit.
+    Without a mask and a slot bias the kernels read cached constant fills (`chunk_fwd.constant`)."""
     monkeypatch.setenv("NHA_KERNEL_SYNC", "0")  # a synchronization inside a capture is an error
     T, HQ, H, D, M, window, dtype = 300, 8, 2, 64, 64, 40, torch.bfloat16
     first = cuda_inputs(T, HQ, H, D, M, dtype, 2)
-    x = {n: first[n].to(dtype).detach().requires_grad_(True) for n in NAMES}  # the graph's static inputs
+    names = NAMES if masked else NAMES[:6]
+    x = {n: first[n].to(dtype).detach().requires_grad_(True) for n in names}  # the graph's static inputs
     do = first["dO"].clone()
-    mask = padding_mask(2, T, "left").cuda()
+    mask = padding_mask(2, T, "left").cuda() if masked else None
 
     def step():
-        out = nha_attention(*[x[n] for n in NAMES[:6]], window, first["scale"], mask, x["slot_bias"])
-        return (out, *torch.autograd.grad(out, [x[n] for n in NAMES], do))
+        out = nha_attention(*[x[n] for n in NAMES[:6]], window, first["scale"], mask, x.get("slot_bias"))
+        return (out, *torch.autograd.grad(out, [x[n] for n in names], do))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -151,15 +154,29 @@ def test_training_step_replays_from_a_cuda_graph(monkeypatch):
         captured = step()
     second = cuda_inputs(T, HQ, H, D, M, dtype, 2)
     with torch.no_grad():
-        for n in NAMES:
+        for n in names:
             x[n].copy_(second[n].to(dtype))
         do.copy_(second["dO"])
     graph.replay()
     torch.cuda.synchronize()
     replayed = [t.clone() for t in captured]
     eager = step()
-    for name, got, want in zip(("o",) + NAMES, replayed, eager):
+    for name, got, want in zip(("o",) + names, replayed, eager):
         assert torch.equal(got, want), f"{name}: the graph replay differs from the eager step"
+
+
+def test_constant_fills_share_a_buffer_and_grow():
+    """`chunk_fwd.constant`: views of one cached buffer per (value, dtype, device) with the value everywhere; a
+    larger request grows the buffer and keeps the old one alive (a captured graph may still read it)."""
+    dev = torch.device("cuda", torch.cuda.current_device())  # as the kernels' callers pass it (a tensor's device)
+    small = chunk_fwd.constant((3, 5), 7, torch.int32, dev)
+    again = chunk_fwd.constant((15,), 7, torch.int32, dev)
+    assert small.shape == (3, 5) and bool((small == 7).all()) and small.data_ptr() == again.data_ptr()
+    n = chunk_fwd._CONSTANTS[(7, torch.int32, dev)][-1].numel()
+    big = chunk_fwd.constant((2, n), 7, torch.int32, dev)
+    assert big.is_contiguous() and bool((big == 7).all()) and big.data_ptr() != small.data_ptr()
+    assert bool((small == 7).all())  # the outgrown buffer is still valid
+    assert chunk_fwd.constant((4,), 0.0, torch.float32, dev).sum().item() == 0.0
 
 
 @pytest.mark.parametrize("window,M,heads,dtype", [
