@@ -571,8 +571,9 @@ CONFIG = {
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
     "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
     # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
-    "save_states": False,  # True: the backward reuses the forward's slot states instead of recomputing them
-    # (saves ~2 state passes; costs 2 x [B, H, T/64 + 1, M, D] fp32 of activation memory per layer)
+    "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
+    # less per 32K step on the H200 (NOTES.md session 11) for 2 x [B, H, T/64 + 1, M, D] fp32 kept per layer, as
+    # much memory as q (under gradient checkpointing only the layer being recomputed holds them); False recomputes
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
     # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
 }
@@ -598,7 +599,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_stages2": dict(num_stages=2),
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
-    "save_states": dict(save_states=True),
+    "recompute_states": dict(save_states=False),
     "separate_kv_states": dict(merge_kv_states=False),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
