@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -187,18 +188,25 @@ def parts(T=32768, w=64):
     from nha_retrofit.kernels.window_bwd import window_backward, window_delta
 
     x = nha_inputs(T, False)
-    p = chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"], x["log_alpha"], w, None, x["slot_bias"])
+    prepare = lambda window: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],  # noqa: E731
+                                                x["log_alpha"], window, None, x["slot_bias"])
+    p = prepare(w)
     out = {}
-    out["prepare"] = bench(lambda: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],
-                                                      x["log_alpha"], w, None, x["slot_bias"]))
-    out["slot_states(k)"] = bench(lambda: chunk_fwd.slot_states((p.k,), p.log_alpha, p.mask, p.W, p.nch))
+    out["prepare"] = bench(lambda: prepare(w))
+    out["kv_states"] = bench(lambda: chunk_fwd.kv_states(p))
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
     out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
+    for window, q in ((w, p), (0, prepare(0))):  # the fused kernel alone: its states computed once, outside
+        states = chunk_fwd.kv_states(q)
+        with mock.patch.object(chunk_fwd, "kv_states", lambda *args, **kwargs: states):
+            out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
     o, lse, _ = chunk_fwd.forward(p, D**-0.5, True)
     do = torch.randn_like(o)
     out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
     delta = window_delta(p, do, lse, D**-0.5)
-    out["slot bwd"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5))
+    out["slot bwd, states recomputed"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5))
+    states = chunk_fwd.kv_states(p)
+    out["slot bwd, states given"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5, states))
     slot_backward_triton(p, do, lse, delta, D**-0.5)  # completes delta with the slot share
     out["window bwd"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
     for k, v in out.items():
