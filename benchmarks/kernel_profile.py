@@ -10,7 +10,8 @@ Nsight Compute captures each kernel launch once:
 `--kernel-times N`: GPU time per kernel over N forward + backward steps (torch.profiler), no Nsight needed.
 `--host N`: the host's share: milliseconds per step the Python side takes to enqueue a forward + backward
 (no synchronization inside; valid while the GPU keeps up, i.e. at short T) against the GPU's milliseconds per
-step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd).
+step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd) and each
+Triton kernel's launch time.
 `--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 
@@ -52,6 +53,37 @@ def host_profile(step, n, label):
     profiler.disable()
     torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    launch_costs(step, n)
+
+
+def launch_costs(step, n):
+    """Host time of each Triton kernel's launches per step (Triton's `JITFunction.run` wrapped with a timer; its
+    cost grows with the number of arguments it specializes)."""
+    import collections
+    import time
+
+    from triton.runtime.jit import JITFunction
+
+    times = collections.defaultdict(list)
+    run = JITFunction.run
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = run(self, *args, **kwargs)
+        times[self.fn.__name__].append(time.perf_counter() - start)
+        return out
+
+    JITFunction.run = timed
+    try:
+        for _ in range(n):
+            step()
+    finally:
+        JITFunction.run = run
+    torch.cuda.synchronize()
+    for name, ts in sorted(times.items(), key=lambda item: -sum(item[1])):
+        print(f"launch {name:24s} {len(ts) // n} per step, median {sorted(ts)[len(ts) // 2] * 1e6:6.1f} us, "
+              f"{sum(ts) / n * 1e6:7.1f} us per step")
+    print(f"# Triton launches: {sum(map(sum, times.values())) / n * 1e3:.3f} ms of host time per step")
 
 
 def main():
