@@ -18,15 +18,20 @@ class _NHAFunction(torch.autograd.Function):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias)
         has_slots = _has_slots(prep)
         o, lse, states = chunk_fwd.forward(prep, scale, has_slots)
-        ctx.prep, ctx.scale, ctx.has_slots = prep, scale, has_slots
-        ctx.states = states if chunk_fwd.CONFIG["save_states"] and any(ctx.needs_input_grad) else None
-        ctx.save_for_backward(lse)
+        keep = states if has_slots and chunk_fwd.CONFIG["save_states"] and any(ctx.needs_input_grad) else ()
+        # every tensor the backward reads goes through save_for_backward (none on ctx attributes), so gradient
+        # checkpointing (its saved-tensor hooks) frees them after the forward and recomputes them
+        ctx.save_for_backward(lse, *prep.tensors(), *keep)
+        ctx.prep = prep.with_tensors((None,) * len(prep.TENSORS))
+        ctx.scale, ctx.has_slots = scale, has_slots
         return o
 
     @staticmethod
     def backward(ctx, do):
-        (lse,) = ctx.saved_tensors
-        p, scale = ctx.prep, ctx.scale
+        lse, *saved = ctx.saved_tensors
+        n = len(ctx.prep.TENSORS)
+        p, scale = ctx.prep.with_tensors(saved[:n]), ctx.scale
+        states = tuple(saved[n:]) or None
         do = do.contiguous()
         # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): the window share here, the slot
         # backward adds its share in place
@@ -34,8 +39,7 @@ class _NHAFunction(torch.autograd.Function):
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
         bias_grad = ctx.needs_input_grad[6]
         if ctx.has_slots:
-            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, ctx.states, bias_grad)
-            ctx.states = None
+            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad)
         else:  # every position sees its whole past through the window
             dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
             dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ) if bias_grad else None

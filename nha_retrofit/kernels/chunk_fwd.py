@@ -25,6 +25,7 @@ column halves of the accumulator, so fewer [rows x 128] fp32 tiles are live at o
 `regreport.py`).
 """
 
+import copy
 import math
 import os
 
@@ -460,6 +461,19 @@ class Prepared:
                      else slot_bias.float().contiguous())
         self.prec = dot_precision(q.dtype)
         self.nch = triton.cdiv(self.T, CS)
+
+    TENSORS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "mask", "first", "bias")
+
+    def tensors(self):
+        """The tensors it holds, in TENSORS order (for `ctx.save_for_backward`)."""
+        return tuple(getattr(self, name) for name in self.TENSORS)
+
+    def with_tensors(self, tensors):
+        """A copy holding `tensors` (TENSORS order; None to keep none, e.g. on an autograd ctx)."""
+        other = copy.copy(self)
+        for name, tensor in zip(self.TENSORS, tensors, strict=True):
+            setattr(other, name, tensor)
+        return other
 
 
 def scan_tile(M, DX, rows):
