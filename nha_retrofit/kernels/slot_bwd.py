@@ -18,15 +18,16 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
   `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient
   per row, E[u] = sum_g (dl * l + P * dP) (summed over a token's G heads by a 0/1 selection product) and the row
   weights Wk = scale dl, Wv = P. No atomics.
-- `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns): the chunk's contribution to the
-  gradient w.r.t. the state before it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
+- `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns of the key side, then of the value side:
+  both in one launch when they share a shape): the chunk's contribution to the gradient w.r.t. the state before
+  it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
 - `reverse_scan` (`_rev_scan_kernel` or the two-level scan of `chunk_scan.py`): the state gradients after each
   chunk (for the keys and the values in one launch set with CONFIG["merge_kv_states"]).
 - `_keys_kernel`, per (chunk, kv head, BD columns): dk and dv = to_end R + sum over the chunk's query blocks of
-  (slot-weighted W, causal)^T Y, both in one pass.
-- `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>) and the alpha term;
-  `_alpha_grad_kernel` finishes dlog_alpha (per chunk a reverse cumsum plus the later chunks' sum, shifted by
-  the window, masked, transposed).
+  (slot-weighted W, causal)^T Y, both in one pass; it also zeroes its share of the last W tokens' rows.
+- `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>), its chunk sum, and the
+  alpha term; `_alpha_grad_kernel` finishes dlog_alpha (per chunk a reverse cumsum plus the later chunks' sum,
+  shifted by the window, masked, transposed, zero on padding and on the last W tokens).
 Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
@@ -381,8 +382,9 @@ def _keys_da_kernel(
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
     SPREC: tl.constexpr, BM: tl.constexpr, LIMIT: tl.constexpr,
 ):
-    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, and the chunk's
-    sum of DA (TOT), for the slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot blocks are independent).
+    """DA[u] = E[u] - s_u * UV[u] and XA[u] = -alpha_u * UV[u], UV[u] = <dK~_u, k_u> + <dV~_u, v_u>, and the
+    chunk's sum of DA (TOT), for the slots m0 .. m0 + BM - 1 of program axis 2 (every term is per slot: the slot
+    blocks are independent).
     The loop over query blocks keeps only the gates' cumsum a live (the blocks' split comes from it, the gates
     are reloaded at the end)."""
     c = tl.program_id(0)
