@@ -1,7 +1,8 @@
 """Triton forward of the NHA operator: a slot-state scan and one fused window + slot-read kernel.
 
-Notation (DESIGN.md section 2). Stream index u = query position t. Query u reads the slots after absorbing
-tokens j = 0 .. u - W (W = window), plus the window keys u - W + 1 .. u, under one softmax. Writing
+Notation (DESIGN.md section 2); CS = CONFIG["chunk"] tokens per slot-state chunk. Stream index u = query
+position t. Query u reads the slots after absorbing tokens j = 0 .. u - W (W = window), plus the window keys
+u - W + 1 .. u, under one softmax. Writing
 j = u' - W, the slot part is an inclusive gated-slot read over a "shifted" stream u' (token u' - W), so the
 chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c * CS - W.
 
@@ -36,7 +37,6 @@ import triton.language as tl
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
-CS = 64  # tokens per slot-state chunk
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
 
 
@@ -460,7 +460,8 @@ class Prepared:
         self.bias = (constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None
                      else slot_bias.float().contiguous())
         self.prec = dot_precision(q.dtype)
-        self.nch = triton.cdiv(self.T, CS)
+        self.cs = CONFIG["chunk"]  # read once: the backward uses the forward's chunking
+        self.nch = triton.cdiv(self.T, self.cs)
 
     TENSORS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "mask", "first", "bias")
 
@@ -483,10 +484,11 @@ def scan_tile(M, DX, rows):
     return min(M, bm), min(bd, triton.next_power_of_2(DX))
 
 
-def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False):
-    """Slot states before each stream chunk of CS tokens, and the final ones, of the S inputs `xs` ([B, T, H, DX]
-    each, one layout: S = 2 runs the key and the value states in one set of launches): [S, B, H, nch + 1, M, DX]
-    fp32, from `initial` [S, B, H, M, DX] (or zero), and with `return_decay` the chunk decays [B, H, nch, M].
+def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, chunk=None):
+    """Slot states before each stream chunk of `chunk` tokens (CONFIG["chunk"] by default; nch = T / chunk
+    rounded up), and the final ones, of the S inputs `xs` ([B, T, H, DX] each, one layout: S = 2 runs the key and
+    the value states in one set of launches): [S, B, H, nch + 1, M, DX] fp32, from `initial` [S, B, H, M, DX] (or
+    zero), and with `return_decay` the chunk decays [B, H, nch, M].
 
     Two steps: every chunk's own update in parallel, then a short elementwise scan over chunks."""
     x = xs[0]
@@ -499,7 +501,8 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False):
     _chunk_update_kernel[(nch, B * H, S * triton.cdiv(DX, BD))](
         x, xs[-1], log_alpha, mask, out, dec,
         x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
-        T, W, nch, H=H, M=M, DX=DX, CSZ=CS, BD=BD, PREC=slot_precision(x.dtype), ZERO_FIRST=initial is None,
+        T, W, nch, H=H, M=M, DX=DX, CSZ=chunk or CONFIG["chunk"], BD=BD, PREC=slot_precision(x.dtype),
+        ZERO_FIRST=initial is None,
         num_warps=4,
     )
     launched("chunk_update")
@@ -527,11 +530,13 @@ def kv_states(p, initial_keys=None, initial_values=None):
     carried = initial_keys is not None
     if CONFIG["merge_kv_states"] and p.k.shape == p.v.shape and p.k.dtype == p.v.dtype and p.k.stride() == p.v.stride():
         initial = torch.stack([initial_keys, initial_values]) if carried else None
-        states, dec = slot_states((p.k, p.v), p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True)
+        states, dec = slot_states((p.k, p.v), p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True,
+                                  chunk=p.cs)
         return states[0], states[1], dec
     sk, dec = slot_states((p.k,), p.log_alpha, p.mask, p.W, p.nch, initial_keys[None] if carried else None,
-                          return_decay=True)
-    sv = slot_states((p.v,), p.log_alpha, p.mask, p.W, p.nch, initial_values[None] if carried else None)
+                          return_decay=True, chunk=p.cs)
+    sv = slot_states((p.v,), p.log_alpha, p.mask, p.W, p.nch, initial_values[None] if carried else None,
+                     chunk=p.cs)
     return sk[0], sv[0], dec
 
 
@@ -540,6 +545,8 @@ CONFIG = {
     # were 0.04 ms faster than 2 per 32K forward on the H200 in three calls, NOTES.md session 8; smem 48 -> 64 KB)
     "slot_precision": "bf16x3",  # its fp32 slot products (products.py: bf16x3, tf32x3, tf32; bf16x3 was 1.3 ms
     # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
+    "chunk": 64,  # tokens per slot-state chunk (CS): the intra-chunk products are [rows, CS] tiles, the states
+    # [T / CS + 1, M, D] per kv head; the slot backward's and the fused forward's blocks must divide it
     "fwd_block": None,  # query tokens per program of the fused kernel (a power of two <= CS; None: fwd_block(G))
     "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
@@ -593,8 +600,9 @@ CONFIG = {
 }
 
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
-    "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows", "fwd_slots_first",
-    "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment", "merge_kv_states",
+    "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
+    "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
+    "merge_kv_states",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -614,6 +622,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "recompute_states": dict(save_states=False),
+    "chunk32": dict(chunk=32),
     "separate_kv_states": dict(merge_kv_states=False),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
@@ -650,13 +659,13 @@ def variant_overrides(name):
     return overrides
 
 
-def fwd_block(G):
-    """Query tokens per program of the fused kernel: CONFIG["fwd_block"], else the largest power of two <= CS whose
-    G rows per token fit CONFIG["fwd_rows"] (each program loads the chunk's [M, D] slot states and keys once, so
-    larger blocks load them less often)."""
+def fwd_block(G, cs):
+    """Query tokens per program of the fused kernel: CONFIG["fwd_block"], else the largest power of two <= the
+    chunk `cs` whose G rows per token fit CONFIG["fwd_rows"] (each program loads the chunk's [M, D] slot states
+    and keys once, so larger blocks load them less often)."""
     if CONFIG["fwd_block"]:
         return CONFIG["fwd_block"]
-    cq = CS
+    cq = cs
     while cq > 1 and cq * G > CONFIG["fwd_rows"]:
         cq //= 2
     return cq
@@ -681,7 +690,8 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sk, sv, dec = kv_states(p, initial_keys, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
-    cq = fwd_block(G)
+    cq = fwd_block(G, p.cs)
+    assert p.cs % cq == 0, "the fused forward's query blocks must divide the chunk"
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
     grid = (triton.cdiv(T, cq), B * H)
@@ -693,7 +703,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         p.v.stride(0), p.v.stride(1), p.v.stride(2),
         p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
         T, p.W, p.nch, float(scale),
-        HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=CS, BR=BR, BN=BN,
+        HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
         VPREC=value_precision(p.q.dtype), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"],

@@ -61,7 +61,7 @@ def cases(HQ, H, D, M):
     """(name, jit function, constexprs, num_warps, num_stages) as the wrappers launch them (bf16 inputs);
     the fused forward in each CONFIG variant (block, split, slot/value precision)."""
     G = HQ // H
-    cs = cf.CS
+    cs = cf.CONFIG["chunk"]
     pow2 = triton.next_power_of_2
     update = dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC=cf.CONFIG["slot_precision"], ZERO_FIRST=True)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
@@ -70,7 +70,7 @@ def cases(HQ, H, D, M):
     seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
     out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
             ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2)]
-    auto = cf.fwd_block(G)
+    auto = cf.fwd_block(G, cs)
     stages = cf.CONFIG["num_stages"]
     for cq, sprec, vprec in [(auto, "tf32x3", "tf32x3"), (auto, "bf16x3", "bf16x3"), (auto, "tf32x3", "tf32"),
                              (auto, "tf32", "tf32"), (16, "bf16x3", "bf16x3"), (8, "tf32x3", "tf32")]:
@@ -108,7 +108,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     pow2 = triton.next_power_of_2
 
     def constants(bq, sprec, columns):
-        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CS, BR=max(16, pow2(bq * G)), BD=min(columns, D),
+        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["chunk"], BR=max(16, pow2(bq * G)), BD=min(columns, D),
                     SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
 
     out = []

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (CONFIG, CS, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
+from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
                         _cumsum_row, _query_rows, _row_decay, _row_stats, alloc, kv_states, launched, scan_tile)
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -478,12 +478,12 @@ def _log_alpha_grad(p, dA, xa, totals):
     instead of ~8 PyTorch ops: 0.65 ms less per 32K step on the H200, NOTES.md session 8), after two small ops (a
     reverse cumsum over the chunk sums along their innermost dimension)."""
     B, H, L, M = dA.shape
-    n = L // CS
+    n = L // p.cs
     later = totals.flip(-1).cumsum(-1)
     dla = alloc(B, p.T, H, M, dtype=p.log_alpha.dtype, device=dA.device)
     bm = min(M, 64)
     _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, later, p.mask, dla, *dla.stride()[:3], p.T, p.W, n, L, H=H, M=M,
-                                            CSZ=CS, BM=bm)
+                                            CSZ=p.cs, BM=bm)
     launched("alpha grad")
     return dla
 
@@ -589,6 +589,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     assert T > W, "without slots (window >= T) the slot backward has nothing to do"
     n = p.nch
+    CS = p.cs  # tokens per chunk
     L = n * CS
     dev = do.device
     f32 = torch.float32

@@ -52,7 +52,7 @@ def main():
     # the wiring in slot_states / reverse_scan against the one-pass kernels (scan_segment None), for one input and
     # for two in one launch set (each half against the single-input result)
     B, T, H, D, W = 2, 300, 2, 64, 5
-    nch = -(-T // chunk_fwd.CS)
+    nch = -(-T // chunk_fwd.CONFIG["chunk"])
     xs = (torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen))
     log_alpha = -torch.rand(B, T, H, M, generator=gen) * 0.03  # chunk decays ~0.4: carries matter
     mask = torch.ones(B, T, dtype=torch.int32)
