@@ -14,13 +14,12 @@ Usage: PYTHONPATH=. python benchmarks/decode_host.py [--previous old_decode.py] 
 import argparse
 import importlib.util
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ops import HQ, D, H, M, B, decode_layers, decode_step
+from ops import HQ, D, H, M, B, decode_layers, decode_step, host_us
 from nha_retrofit.kernels import decode
 
 
@@ -30,19 +29,6 @@ def load_previous(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def host_us(fn, calls):
-    """(host us per call, wall us per call) of `calls` back-to-back calls, after a warm-up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * host / calls, 1e6 * (time.perf_counter() - start) / calls
 
 
 def main():

@@ -6,7 +6,8 @@ cached decode, beside the original Llama's decode with the same weights (with Py
 with the backends NHA's full layers decode with).
 
 Usage (GPU machine): PYTHONPATH=. python benchmarks/e2e_model.py [--layers 8] [--tokens 8192]
-Writes benchmarks/results/e2e_model_h200.json.
+Writes benchmarks/results/e2e_model_h200.json. With --memory it only prints the peak memory of a training step with
+and without gradient checkpointing (nothing written).
 """
 
 import argparse
@@ -100,6 +101,25 @@ def original_model(model):
     return original
 
 
+def peak_training_gib(model, ids, checkpointing):
+    """Peak GPU memory (GiB above what is allocated before) of one forward + backward, with or without gradient
+    checkpointing as the trainer enables it (`use_reentrant=False`)."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+    finally:
+        model.gradient_checkpointing_disable()
+        model.zero_grad(set_to_none=True)
+
+
 def relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -108,12 +128,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--memory", action="store_true",
+                        help="only print the peak memory of a training step with and without gradient checkpointing")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = build_on_gpu(NHALlamaForCausalLM, llama3_8b_config(args.layers))
     train_attention_only(model)
     ids = torch.randint(0, 128256, (1, args.tokens), device="cuda")
     assert modeling.KERNELS_AVAILABLE, "Triton kernels did not import"
+    if args.memory:
+        for checkpointing in (True, False):
+            peak_training_gib(model, ids, checkpointing)  # compiles and warms the allocator
+            print(f"tokens={args.tokens} checkpointing={checkpointing}: peak "
+                  f"{peak_training_gib(model, ids, checkpointing):.2f} GiB above the weights")
+        return
 
     os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels
     (kernel_logits, kernel_grads), kernel_s = timed(lambda: forward_backward(model, ids))

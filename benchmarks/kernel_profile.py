@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ops import D, HQ, nha_inputs  # noqa: E402
+from ops import D, HQ, host_us, nha_inputs  # noqa: E402
 
 from nha_retrofit.kernels import chunk_fwd, nha_attention  # noqa: E402
 
@@ -32,18 +32,10 @@ def host_profile(step, n, label):
     """Host (enqueue) time against GPU time per step, then the top of a cProfile over n steps."""
     import cProfile
     import pstats
-    import time
 
     from triton.testing import do_bench
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    host_ms = (time.perf_counter() - start) * 1e3 / n
-    torch.cuda.synchronize()
+    host_ms = host_us(step, n)[0] / 1e3
     gpu_ms = do_bench(step, warmup=5, rep=50, return_mode="median")
     print(f"# {label}: host {host_ms:.3f} ms per step to enqueue, {gpu_ms:.3f} ms per step end to end (median)")
     profiler = cProfile.Profile()

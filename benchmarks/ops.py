@@ -58,6 +58,20 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def host_us(fn, calls):
+    """(host us per call, wall us per call) of `calls` back-to-back calls, after a warm-up: the host's share is the
+    time to enqueue them (valid while the GPU keeps up)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / calls, 1e6 * (time.perf_counter() - start) / calls
+
+
 def graph_replay_ms(step):
     """Median ms of `step` captured in one CUDA graph and replayed: the GPU's own time, without the host's."""
     s = torch.cuda.Stream()

@@ -141,6 +141,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
 
 def main():
     shapes = [(32, 8, 128, 64), (9, 3, 64, 64)]
+    # NHA_KERNEL_VARIANT=name reports the kernels under that CONFIG variant (e.g. chunk32), as the GPU tests take it
+    cf.CONFIG.update(cf.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")))
     quick = "--quick" in sys.argv
     slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels
     for HQ, H, D, M in shapes[:1] if quick else shapes:
