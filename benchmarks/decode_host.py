@@ -4,6 +4,9 @@ Prints, in one process:
 - 28 layers' eager decode steps (ms), windows 64 and 2048, with and without an attention mask; with --previous,
   alternating with another version of `nha_retrofit/kernels/decode.py` (e.g. one taken from git history), so both
   see the same host noise;
+- 28 layers' eager steps the way the model calls them, alternating: the gate (float, logsigmoid, divide) and the
+  slot bias's cast in PyTorch before the step (the route before session 12) against the step given the gate logits
+  and tau and a bf16 slot bias (the gate applied in the kernel);
 - one step alone, the gate's ops (`g_proj`, float, logsigmoid, divide) and a full layer's cache concatenation +
   SDPA at 8K keys (us of host time per call): the parts of an NHA layer's decode against a full layer's.
 
@@ -21,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops import HQ, D, H, M, B, decode_layers, decode_step, host_us
 from nha_retrofit.kernels import decode
+from nha_retrofit.modeling.nha_gates import gate_log_alpha
 
 
 def load_previous(path):
@@ -29,6 +33,32 @@ def load_previous(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def gate_routes(args, layers=28, window=64, tau=8.0):
+    """Eager ms of `layers` decode steps (w=64, masked, bf16 slot bias): the gate in PyTorch, or in the step."""
+    states, tokens, bias, mask = decode_layers(layers, window)
+    bias = bias.bfloat16()  # a bf16 model's parameter
+    logits = [torch.randn(B, 1, H, M, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    step = decode.nha_recurrent_step_triton
+
+    def in_pytorch():
+        for st, tok, f in zip(states, tokens, logits):
+            step(**dict(tok, log_alpha=gate_log_alpha(f, tau)), window=window, scale=D**-0.5, state=st,
+                 attention_mask=mask, slot_bias=bias.float())
+
+    def in_step():
+        for st, tok, f in zip(states, tokens, logits):
+            step(**dict(tok, log_alpha=f), window=window, scale=D**-0.5, state=st, attention_mask=mask,
+                 slot_bias=bias, gate_normalizer=tau)
+
+    runs = {"gate in PyTorch": [], "gate in the step": []}
+    for _ in range(args.repeats):
+        for name, fn in zip(runs, (in_pytorch, in_step)):
+            runs[name].append(host_us(fn, args.steps)[1] / 1e3)
+    for name, ms in runs.items():
+        print(f"{layers} layers eager, w={window}, mask yes, {name}: median {statistics.median(ms):.3f} ms "
+              f"({', '.join(f'{x:.3f}' for x in ms)})", flush=True)
 
 
 def main():
@@ -53,6 +83,7 @@ def main():
                 print(f"28 layers eager, w={window}, mask {'yes' if mask is not None else 'no'}, {name}: median "
                       f"{statistics.median(ms):.3f} ms ({', '.join(f'{x:.3f}' for x in ms)})", flush=True)
 
+    gate_routes(args)
     states, tokens, bias, _ = decode_layers(1, 64)
     for name, module in versions.items():
         step = lambda: decode_step(module.nha_recurrent_step_triton, states, tokens, bias, None, 64)  # noqa: E731

@@ -130,6 +130,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--memory", action="store_true",
                         help="only print the peak memory of a training step with and without gradient checkpointing")
+    parser.add_argument("--decode", action="store_true",
+                        help="only print the eager decode ms/token, NHA against the original (same SDPA backends)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = build_on_gpu(NHALlamaForCausalLM, llama3_8b_config(args.layers))
@@ -141,6 +143,13 @@ def main():
             peak_training_gib(model, ids, checkpointing)  # compiles and warms the allocator
             print(f"tokens={args.tokens} checkpointing={checkpointing}: peak "
                   f"{peak_training_gib(model, ids, checkpointing):.2f} GiB above the weights")
+        return
+    if args.decode:
+        nha_ms = decode_ms_per_token(model, ids)
+        with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
+            original_ms = decode_ms_per_token(original_model(model), ids)
+        print(f"decode ms/token, {args.layers} layers, {args.tokens}-token prompt: NHA {nha_ms:.2f}, original "
+              f"{original_ms:.2f}")
         return
 
     os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels

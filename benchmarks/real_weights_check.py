@@ -83,6 +83,7 @@ def main():
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (PyTorch forms only)")
     args = parser.parse_args()
     import nha_retrofit.modeling.modeling_nha as modeling
+    from nha_retrofit.modeling.nha_gates import gate_log_alpha
 
     global DEVICE
     DEVICE = args.device
@@ -100,14 +101,16 @@ def main():
     captured, calls = {}, [0]
     original = modeling.nha_operator
 
-    def spy(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias, *rest):
+    def spy(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, scale, attention_mask, slot_bias, *rest):
         layer = nha_layers[calls[0]]
         calls[0] += 1
         if layer in wanted:
             captured[layer] = dict(q=q.detach(), k=k.detach(), v=v.detach(), q_rope=q_rope.detach(),
-                                   k_rope=k_rope.detach(), log_alpha=log_alpha.detach(),
+                                   k_rope=k_rope.detach(),
+                                   log_alpha=gate_log_alpha(gate_logits, gate_normalizer).detach(),
                                    slot_bias=slot_bias.detach(), window=window, scale=scale)
-        return original(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias, *rest)
+        return original(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, scale, attention_mask,
+                        slot_bias, *rest)
 
     modeling.nha_operator = spy
     truth_logits, truth_grads = forward_backward(model, ids)

@@ -67,14 +67,17 @@ def nha_chunked_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attent
 
 
 def nha_recurrent_step_triton(
-    q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None
+    q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None,
+    gate_normalizer=None,
 ):
-    """Same contract as `nha_recurrent_step`: (o [B, 1, HQ, Dv], the state, updated in place for a finite window;
-    window None, which grows the state, runs in PyTorch)."""
+    """Same contract as `nha_recurrent_step` (with `gate_normalizer`, `log_alpha` holds the gate logits and the
+    kernel applies the gate): (o [B, 1, HQ, Dv], the state, updated in place for a finite window; window None, which
+    grows the state, runs in PyTorch)."""
     if window is not None and supported(q, k, v, log_alpha):
         return _nha_recurrent_step_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, state,
-                                          attention_mask, slot_bias)
-    return nha_recurrent_step(q, k, v, q_rope, k_rope, log_alpha, window, scale, state, attention_mask, slot_bias)
+                                          attention_mask, slot_bias, gate_normalizer)
+    return nha_recurrent_step(q, k, v, q_rope, k_rope, log_alpha, window, scale, state, attention_mask, slot_bias,
+                              gate_normalizer)
 
 
 __all__ = ["KERNELS_AVAILABLE", "nha_attention", "nha_chunked_triton", "nha_recurrent_step_triton", "supported"]

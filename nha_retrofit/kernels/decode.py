@@ -34,6 +34,15 @@ def _token_real(TOKEN_MASK, stride_mask, b, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _log_sigmoid(x):
+    """log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)) in float32, log1p exact for tiny arguments (as PyTorch's)."""
+    e = tl.exp(-tl.abs(x))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.minimum(x, 0.0) - log1p
+
+
+@triton.jit
 def _merge_partials(PART_ACC, PART_ML, pid, NBLK, r, offs_dv, BR: tl.constexpr, DV: tl.constexpr):
     """The NBLK blocks' partials of program row `pid` under one softmax: (sum, P.V). Read through L2 (".cg"):
     other programs wrote them."""
@@ -67,13 +76,13 @@ def _store_output(O, l_i, acc, new_real, b, h, r, offs_dv, HQ: tl.constexpr, GQ:
 def _decode_kernel(
     Q, QR, K, KR, V, LA, TOKEN_MASK, stride_mask,
     WK, WKR, WV, WLA, WMASK, WSTART, SK, SV, FILLED, BIAS, O, PART_ACC, PART_ML, COUNT,
-    P, scale, NSEQ,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, RING: tl.constexpr, SINGLE: tl.constexpr,
+    P, scale, inv_tau, NSEQ,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, GATE: tl.constexpr, RING: tl.constexpr, SINGLE: tl.constexpr,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program (sequence x kv head, window block), see the module docstring. SINGLE: one block covers the window
-    (no partials). COUNT: [B * H] finished blocks per (sequence, kv head), then [NSEQ] finished heads per sequence."""
+    (no partials). GATE: LA holds the gate logits f and log(alpha) = logsigmoid(f) * inv_tau. COUNT: [B * H] finished blocks per (sequence, kv head), then [NSEQ] finished heads per sequence."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid // H
@@ -86,6 +95,8 @@ def _decode_kernel(
     k_new = tl.load(K + new * D + offs_d)
     v_new = tl.load(V + new * DV + offs_dv)
     la_new = tl.load(LA + new * M + offs_m)
+    if GATE:
+        la_new = _log_sigmoid(la_new.to(tl.float32)) * inv_tau
     r = tl.arange(0, BR)
     rv = r < GQ
     hq = h * GQ + r
@@ -124,7 +135,7 @@ def _decode_kernel(
         q = tl.load(Q + qoff[:, None] + offs_d[None, :], mask=rv[:, None], other=0.0).to(tl.float32)
         logits = tl.dot(q, tl.trans(sk.to(tl.float32)), input_precision=PREC) * scale
         if HAS_BIAS:
-            logits += tl.load(BIAS + hq, mask=rv, other=0.0)[:, None]
+            logits += tl.load(BIAS + hq, mask=rv, other=0.0).to(tl.float32)[:, None]
         logits = tl.where(filled & rv[:, None], logits, float("-inf"))
         m_i = tl.max(logits, 1)
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -186,10 +197,13 @@ def _decode_kernel(
 
 
 def nha_recurrent_step_triton(
-    q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None
+    q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None,
+    gate_normalizer=None,
 ):
     """Same contract as `nha_recurrent_step` for a finite window: one token per sequence -> (o [B, 1, HQ, Dv],
-    `state.for_decoding(window)` updated in place)."""
+    `state.for_decoding(window)` updated in place). With `gate_normalizer`, `log_alpha` holds the gate logits f and
+    the kernel takes log(alpha) = logsigmoid(f) / gate_normalizer itself; the slot bias is read in its own dtype:
+    no elementwise launches besides the step."""
     batch, steps, q_heads, head_dim = q.shape
     if steps != 1:
         raise ValueError(f"nha_recurrent_step takes one token per sequence, got {steps}")
@@ -217,10 +231,10 @@ def nha_recurrent_step_triton(
         log_alpha.contiguous(), *mask_args,
         state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha,
         state.window_mask.view(torch.int8), state.window_start, state.slot_keys, state.slot_values,
-        state.slots_filled.view(torch.int8), out if slot_bias is None else slot_bias.float().contiguous(), out,
+        state.slots_filled.view(torch.int8), out if slot_bias is None else slot_bias.contiguous(), out,
         part_acc, part_ml, _counters(q.device, batch * (kv_heads + 1)),
-        window, float(scale), batch, HAS_MASK=token_mask is not None, HAS_BIAS=slot_bias is not None,
-        RING=window > 0, SINGLE=blocks == 1, HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim,
+        window, float(scale), 1.0 / (gate_normalizer or 1.0), batch, HAS_MASK=token_mask is not None,
+        HAS_BIAS=slot_bias is not None, GATE=gate_normalizer is not None, RING=window > 0, SINGLE=blocks == 1, HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim,
         M=slots, BR=rows, BN=BLOCK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
     )

@@ -13,7 +13,6 @@ import inspect
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
@@ -25,6 +24,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
 from .nha_cache import NHACache
 from .nha_chunked import nha_chunked
+from .nha_gates import gate_log_alpha
 from .nha_recurrent import nha_recurrent_step
 
 try:
@@ -43,17 +43,20 @@ def kernel_scope() -> str:
     return scope
 
 
-def nha_operator(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias, state, output_state):
+def nha_operator(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, scale, attention_mask, slot_bias, state,
+                 output_state):
     """Pick the implementation (Triton kernels on CUDA where `kernel_scope` allows, plain PyTorch otherwise); one-token
-    steps with a carried state take the recurrent form. Returns (o, new state or None)."""
+    steps with a carried state take the recurrent form, which takes the gate logits (the Triton step applies the gate
+    itself: three elementwise launches fewer per layer and token). Returns (o, new state or None)."""
     scope = kernel_scope() if KERNELS_AVAILABLE and q.is_cuda else "0"
-    args = (q, k, v, q_rope, k_rope, log_alpha, window, scale)
     if state is not None and q.shape[1] == 1:
         step = nha_recurrent_step_triton if scope in ("decode", "all") else nha_recurrent_step
-        return step(*args, state=state, attention_mask=attention_mask, slot_bias=slot_bias)
+        return step(q, k, v, q_rope, k_rope, gate_logits, window, scale, state=state, attention_mask=attention_mask,
+                    slot_bias=slot_bias, gate_normalizer=gate_normalizer)
     chunked = nha_chunked_triton if scope == "all" else nha_chunked
     return chunked(
-        *args, attention_mask=attention_mask, slot_bias=slot_bias, initial_state=state, output_final_state=output_state
+        q, k, v, q_rope, k_rope, gate_log_alpha(gate_logits, gate_normalizer), window, scale,
+        attention_mask=attention_mask, slot_bias=slot_bias, initial_state=state, output_final_state=output_state,
     )
 
 
@@ -84,10 +87,9 @@ class NHAAttentionMixin:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, self.v_proj(hidden_states).view(shape)
 
-    def gate_log_alpha(self, hidden_states):
-        """log(alpha) = logsigmoid(g_proj(x)) / tau, per KV head and slot: [B, T, H, M] in float32."""
-        logits = self.g_proj(hidden_states).view(*hidden_states.shape[:-1], self.num_kv_heads, self.num_slots)
-        return F.logsigmoid(logits.float()) / self.gate_normalizer
+    def gate_logits(self, hidden_states):
+        """The gate logits f = g_proj(x) per KV head and slot, [B, T, H, M] (log(alpha) = logsigmoid(f) / tau)."""
+        return self.g_proj(hidden_states).view(*hidden_states.shape[:-1], self.num_kv_heads, self.num_slots)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
@@ -105,7 +107,7 @@ class NHAAttentionMixin:
         q_rope, k_rope = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         out, state = nha_operator(
-            q, k, v, q_rope, k_rope, self.gate_log_alpha(hidden_states), self.window, self.scaling,
+            q, k, v, q_rope, k_rope, self.gate_logits(hidden_states), self.gate_normalizer, self.window, self.scaling,
             padding_mask, self.slot_bias, layer_cache.state if layer_cache is not None else None,
             layer_cache is not None,
         )

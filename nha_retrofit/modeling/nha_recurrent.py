@@ -10,13 +10,16 @@ leaving (`NHAState`), after that token was absorbed. The window scores do not de
 
 import torch
 
+from .nha_gates import gate_log_alpha
 from .nha_state import WINDOW_FIELDS, NHAState
 
 
 def nha_recurrent_step(
-    q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None
+    q, k, v, q_rope, k_rope, log_alpha, window, scale, state=None, attention_mask=None, slot_bias=None,
+    gate_normalizer=None,
 ):
     """One token per sequence. Shapes as `nha_reference` with T = 1; returns (o [B, 1, HQ, Dv], state).
+    With `gate_normalizer` (tau), `log_alpha` holds the gate logits f instead: log(alpha) = logsigmoid(f) / tau.
 
     A finite window updates `state.for_decoding(window)` in place and returns it (the argument itself, unless
     its window first needed room). `window=None` never absorbs: the state grows by the token (ordinary causal
@@ -26,6 +29,8 @@ def nha_recurrent_step(
     if steps != 1:
         raise ValueError(f"nha_recurrent_step takes one token per sequence, got {steps}")
     kv_heads, slots = k.shape[2], log_alpha.shape[-1]
+    if gate_normalizer is not None:
+        log_alpha = gate_log_alpha(log_alpha, gate_normalizer)
     if state is None:
         state = NHAState.empty(batch, kv_heads, slots, k.shape[-1], v.shape[-1], k.dtype, k.device)
     token_mask = (
