@@ -90,6 +90,22 @@ def decode_ms_per_token(model, ids, steps=20):
     return 1000 * sorted(times)[steps // 2]
 
 
+def profile_decode_step(model, ids, name, steps=10):
+    """torch.profiler's table of 10 eager decode steps, by self CPU time: where the host time goes."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        token = ids[:, -1:]
+        model(token, use_cache=True, **{modeling._CACHE_ARGUMENT: cache})
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                model(token, use_cache=True, **{modeling._CACHE_ARGUMENT: cache})
+            torch.cuda.synchronize()
+    print(f"== {name}: {steps} decode steps, host time by op")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def original_model(model):
     """The original Llama with `model`'s weights (NHA's gate projections and slot offsets dropped)."""
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -132,6 +148,9 @@ def main():
                         help="only print the peak memory of a training step with and without gradient checkpointing")
     parser.add_argument("--decode", action="store_true",
                         help="only print the eager decode ms/token, NHA against the original (same SDPA backends)")
+    parser.add_argument("--rounds", type=int, default=5, help="with --decode: alternating rounds of 20 steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --decode: also print where the host time of 10 decode steps goes (torch.profiler)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = build_on_gpu(NHALlamaForCausalLM, llama3_8b_config(args.layers))
@@ -144,12 +163,21 @@ def main():
             print(f"tokens={args.tokens} checkpointing={checkpointing}: peak "
                   f"{peak_training_gib(model, ids, checkpointing):.2f} GiB above the weights")
         return
-    if args.decode:
-        nha_ms = decode_ms_per_token(model, ids)
-        with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
-            original_ms = decode_ms_per_token(original_model(model), ids)
-        print(f"decode ms/token, {args.layers} layers, {args.tokens}-token prompt: NHA {nha_ms:.2f}, original "
-              f"{original_ms:.2f}")
+    if args.decode:  # rounds alternating the two models, so both see the same host noise
+        original = original_model(model)
+        rounds = {"NHA": [], "original": []}
+        for _ in range(args.rounds):
+            rounds["NHA"].append(decode_ms_per_token(model, ids))
+            with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
+                rounds["original"].append(decode_ms_per_token(original, ids))
+        print(f"decode ms/token, {args.layers} layers, {args.tokens}-token prompt, rounds: " + "; ".join(
+            f"{name} {', '.join(f'{x:.2f}' for x in ms)}" for name, ms in rounds.items()))
+        print("ratio NHA / original per round: " + ", ".join(
+            f"{a / b:.3f}" for a, b in zip(rounds["NHA"], rounds["original"])))
+        if args.profile:
+            profile_decode_step(model, ids, "NHA")
+            with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
+                profile_decode_step(original, ids, "original")
         return
 
     os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels

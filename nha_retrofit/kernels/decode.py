@@ -248,7 +248,8 @@ _COUNTERS = {}  # (device, stream) -> int32 zeros that the decode kernel counts 
 def _counters(device, size):
     """The decode kernel's completion counters for the current stream (steps on one stream run one after the
     other, so they can share them; another stream gets its own)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None)
+    # the raw stream handle, as Triton's launcher reads it (torch.cuda.current_stream builds a Stream object: ~10 us)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < size:
         counters = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)

@@ -95,11 +95,7 @@ class NHAAttentionMixin:
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         padding_mask = kwargs.pop("nha_padding_mask", None)
         if self.window is None:  # a full layer: the original attention, positional args across transformers 5.x
-            # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200 (torch 2.11).
-            # Decode steps use the other SDPA backends.
-            decoding_on_gpu = hidden_states.is_cuda and hidden_states.shape[1] == 1
-            with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding_on_gpu else contextlib.nullcontext():
-                return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
         batch, length = hidden_states.shape[:2]
         q, k, v = self.project_qkv(hidden_states)
@@ -186,16 +182,21 @@ class NHAForCausalLMMixin:
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             kwargs["nha_padding_mask"] = attention_mask
         kwargs[_CACHE_ARGUMENT] = cache
-        return super().forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
+        # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200 (torch 2.11). The
+        # full layers' decode steps use the other SDPA backends (set once per step: ~15 us per switch).
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        decoding_on_gpu = tokens is not None and tokens.is_cuda and tokens.shape[1] == 1
+        with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding_on_gpu else contextlib.nullcontext():
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
 
 
 _DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
