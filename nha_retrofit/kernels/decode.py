@@ -82,7 +82,8 @@ def _decode_kernel(
     BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program (sequence x kv head, window block), see the module docstring. SINGLE: one block covers the window
-    (no partials). GATE: LA holds the gate logits f and log(alpha) = logsigmoid(f) * inv_tau. COUNT: [B * H] finished blocks per (sequence, kv head), then [NSEQ] finished heads per sequence."""
+    (no partials). GATE: LA holds the gate logits f and log(alpha) = logsigmoid(f) * inv_tau. COUNT: [B * H]
+    finished blocks per (sequence, kv head), then [NSEQ] finished heads per sequence."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
     b = pid // H
@@ -234,8 +235,9 @@ def nha_recurrent_step_triton(
         state.slots_filled.view(torch.int8), out if slot_bias is None else slot_bias.contiguous(), out,
         part_acc, part_ml, _counters(q.device, batch * (kv_heads + 1)),
         window, float(scale), 1.0 / (gate_normalizer or 1.0), batch, HAS_MASK=token_mask is not None,
-        HAS_BIAS=slot_bias is not None, GATE=gate_normalizer is not None, RING=window > 0, SINGLE=blocks == 1, HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim,
-        M=slots, BR=rows, BN=BLOCK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_BIAS=slot_bias is not None, GATE=gate_normalizer is not None, RING=window > 0, SINGLE=blocks == 1,
+        HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=rows, BN=BLOCK,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
     )
     launched("decode")

@@ -29,16 +29,16 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32, Y2=BF, WST2=F32,
                 TOT=F32)
 
-# the decode state's window tensors (the model's dtype), its gates and ring start, the attention mask's column,
-# the softmax partials and the completion counters
-DECODE_POINTERS = dict(WK=BF, WV=BF, LA=F32, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32, PART_ML=F32,
-                       COUNT=I32)
+# the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
+# the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
+DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32,
+                       PART_ML=F32, COUNT=I32)
 
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
     """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error)."""
     ptrs = dict(POINTERS, **(pointers or {}))
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in jitfn.arg_names}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("scale", "inv_tau") else "i32") for n in jitfn.arg_names}
     try:
         kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts)),
                                 target=GPUTarget("cuda", 90, 32),
@@ -94,7 +94,7 @@ def cases(HQ, H, D, M):
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
                 (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=decode.BLOCK, HAS_MASK=True,
-               HAS_BIAS=True, RING=True, PREC="tf32")
+               HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")
     out += [("decode, one block", decode._decode_kernel, dict(dec, SINGLE=True), 8, 2),
             ("decode, merged blocks", decode._decode_kernel, dict(dec, SINGLE=False), 8, 2)]
     return out + slot_bwd_cases(HQ, H, D, M)
