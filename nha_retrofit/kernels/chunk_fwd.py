@@ -79,10 +79,24 @@ def constant(shape, value, dtype, device):
 
 
 @triton.jit
+def _token_strides(HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr):
+    """Token and head strides of the contiguous [B, T, heads, dim] operands (`Prepared` makes every input so, the
+    wrappers allocate every output so): q (token only), k, v, o (token only); the gates' [B, T, H, M] are H * M
+    and M. Constants, not launch arguments: each argument costs host time in Triton's launcher. The batch strides
+    depend on T and stay arguments (`batch_strides`): derived in the kernels, they held registers and three kernels
+    spilled more (register report)."""
+    return HQ * D, H * D, D, H * DV, DV, HQ * DV
+
+
+def batch_strides(p, do):
+    """The batch strides the kernels take: q (and q_rope), k (k_rope), v, the gates, o / dO."""
+    return p.q.stride(0), p.k.stride(0), p.v.stride(0), p.log_alpha.stride(0), do.stride(0)
+
+
+@triton.jit
 def _chunk_update_kernel(
     X, X2, G, MASK, U, DEC,
-    sx_b, sx_t, sx_h, sg_b, sg_t, sg_h,
-    T, W, NCH,
+    sx_b, sg_b, T, W, NCH,
     H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, ZERO_FIRST: tl.constexpr,
 ):
@@ -90,6 +104,7 @@ def _chunk_update_kernel(
     with ZERO_FIRST the zero state before chunk 0 in U[0].
     Program axis 2 runs over the column blocks of X, then (if it is twice as long) of X2, an input of the same
     layout whose states follow X's in U (the key and the value states in one launch)."""
+    sx_t, sx_h, sg_t, sg_h = H * DX, DX, H * M, M  # contiguous layouts (as `_token_strides`)
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     NDB: tl.constexpr = (DX + BD - 1) // BD
@@ -305,13 +320,15 @@ def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_
 @triton.jit
 def _fwd_kernel(
     Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
 ):
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
+    sg_t, sg_h = H * M, M
     # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
     # at GQ = 3 (checked by ptxas / cuobjdump)
     pid_q = tl.program_id(0)
@@ -457,8 +474,8 @@ class Prepared:
             has_real = self.mask.bool().any(1)
             first = self.mask.to(torch.int8).argmax(1).to(torch.int32)
             self.first = torch.where(has_real, first, torch.full_like(first, 2**30)).contiguous()
-        self.bias = (constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None
-                     else slot_bias.float().contiguous())
+        # in its own dtype (the kernels read it as fp32): a model's bf16 parameter costs no cast here nor its backward
+        self.bias = constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None else slot_bias.contiguous()
         self.prec = dot_precision(q.dtype)
         self.cs = CONFIG["chunk"]  # read once: the backward uses the forward's chunking
         self.nch = triton.cdiv(self.T, self.cs)
@@ -494,13 +511,12 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     x = xs[0]
     B, T, H, DX = x.shape
     S, M = len(xs), log_alpha.shape[-1]
-    assert all(y.shape == x.shape and y.dtype == x.dtype and y.stride() == x.stride() for y in xs)
+    assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
     out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
     BD = min(64, triton.next_power_of_2(DX))
     _chunk_update_kernel[(nch, B * H, S * triton.cdiv(DX, BD))](
-        x, xs[-1], log_alpha, mask, out, dec,
-        x.stride(0), x.stride(1), x.stride(2), log_alpha.stride(0), log_alpha.stride(1), log_alpha.stride(2),
+        x, xs[-1], log_alpha, mask, out, dec, x.stride(0), log_alpha.stride(0),
         T, W, nch, H=H, M=M, DX=DX, CSZ=chunk or CONFIG["chunk"], BD=BD, PREC=slot_precision(x.dtype),
         ZERO_FIRST=initial is None,
         num_warps=4,
@@ -698,10 +714,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     warps = fwd_warps(BR, max(D, DV))
     _fwd_kernel[grid](
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, o, lse,
-        p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-        p.v.stride(0), p.v.stride(1), p.v.stride(2),
-        p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2), o.stride(0), o.stride(1),
+        p.bias, sk, sv, o, lse, *batch_strides(p, o),
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),

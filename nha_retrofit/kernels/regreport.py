@@ -38,7 +38,8 @@ DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOK
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
     """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error)."""
     ptrs = dict(POINTERS, **(pointers or {}))
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("scale", "inv_tau") else "i32") for n in jitfn.arg_names}
+    floats = ("scale", "inv_tau")
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
     try:
         kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts)),
                                 target=GPUTarget("cuda", 90, 32),

@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _cumsum_row, _query_rows, _row_decay, _row_stats, alloc, kv_states, launched, scan_tile)
+                        _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc, batch_strides,
+                        kv_states, launched, scan_tile)
 from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
@@ -280,7 +281,7 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow,
 def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
     DQ, DB, E, WK, WV,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -288,6 +289,8 @@ def _rows_kernel(
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
     added in place; BT: a power of two >= CQB, the tokens of the E product."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
+    sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
@@ -307,7 +310,7 @@ def _rows_kernel(
                       a_in, e_car, direct, T, W, offs_c, D, BD, M, BR, CQB, CSZ, PREC, SPREC) * scale
     dp = _rows_side(DO, orow, V, vrow, SV, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw,
                     a_in, e_car, direct, T, W, offs_c, DV, BD, M, BR, CQB, CSZ, PREC, SPREC)
-    bias = tl.load(BIAS + hq, mask=tv, other=0.0)
+    bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
     delta += tl.sum(p * dp, 1)  # the window share plus the slot share, kept for the window backward
     tl.store(DELTA + lrow, delta, mask=tv)
@@ -376,7 +379,7 @@ def _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M: t
 @triton.jit
 def _keys_da_kernel(
     Q, K, V, DO, G, MASK, WK, WV, E, RK, RV, DA, XA, TOT,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, so_b, so_t,
+    sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
@@ -387,6 +390,8 @@ def _keys_da_kernel(
     blocks are independent).
     The loop over query blocks keeps only the gates' cumsum a live (the blocks' split comes from it, the gates
     are reloaded at the end)."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
+    sg_t, sg_h = H * M, M
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     m0 = tl.program_id(2) * BM
@@ -439,20 +444,14 @@ def slot_bwd_precision(dtype, slots):
     return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
 
 
-def _strides(p, do):
-    """The gate strides and the (q, k, v, gates, dO) strides that the rows and keys_da kernels take."""
-    sg = (p.log_alpha.stride(0), p.log_alpha.stride(1), p.log_alpha.stride(2))
-    return sg, (p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-                p.v.stride(0), p.v.stride(1), p.v.stride(2), *sg, do.stride(0), do.stride(1))
-
-
 @triton.jit
-def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, sd_t, sd_h, T, W, NCH, L,
+def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, T, W, NCH, L,
                        H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, BM: tl.constexpr):
     """DLA[b, j, h] = sum_{u >= j + W} DA[u] + XA[j + W] for the real tokens j < T - W and zero for the others, per
     (stream chunk, batch x kv head, slot block): the chunk's own reverse cumsum plus the later chunks' sum
     (LATER [B * H, M, NCH]: the cumsum of the chunk sums in reverse chunk order, so chunk c's carry sits at
     NCH - 2 - c), written straight into the [B, T, H, M] layout."""
+    sd_t, sd_h = H * M, M  # [B, T, H, M], contiguous (as `_token_strides`)
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     offs_m = tl.program_id(2) * BM + tl.arange(0, BM)
@@ -482,7 +481,7 @@ def _log_alpha_grad(p, dA, xa, totals):
     later = totals.flip(-1).cumsum(-1)
     dla = alloc(B, p.T, H, M, dtype=p.log_alpha.dtype, device=dA.device)
     bm = min(M, 64)
-    _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, later, p.mask, dla, *dla.stride()[:3], p.T, p.W, n, L, H=H, M=M,
+    _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, later, p.mask, dla, dla.stride(0), p.T, p.W, n, L, H=H, M=M,
                                             CSZ=p.cs, BM=bm)
     launched("alpha grad")
     return dla
@@ -509,8 +508,7 @@ def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h,
 @triton.jit
 def _state_grad_kernel(
     Y, WST, Y2, WST2, G, MASK, C_OUT,
-    sy_b, sy_t, sy2_b, sy2_t, sg_b, sg_t, sg_h,
-    T, W, NCH,
+    sy_b, sg_b, T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
     LIMIT: tl.constexpr,
@@ -518,7 +516,9 @@ def _state_grad_kernel(
     """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
     log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
     (q, Wk), CV with (dO, Wv)). Program axis 2 runs over the column blocks of (Y, WST), then (if it is twice as
-    long) of (Y2, WST2), whose results follow in C_OUT (both state gradients in one launch)."""
+    long) of (Y2, WST2), whose results follow in C_OUT (both state gradients in one launch). Y and Y2: [B, T, HQ,
+    DX] (q or dO)."""
+    sy_t, sg_t, sg_h = HQ * DX, H * M, M  # contiguous layouts (as `_token_strides`)
     c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     NDB: tl.constexpr = DX // BD
     stream = tl.program_id(2) // NDB
@@ -527,7 +527,7 @@ def _state_grad_kernel(
         acc = _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
                                 HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT)
     else:
-        acc = _state_grad_chunk(Y2, WST2, G, MASK, sy2_b, sy2_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
+        acc = _state_grad_chunk(Y2, WST2, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
                                 HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT)
     offs_m = tl.arange(0, M)
     out = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * NCH + c
@@ -537,7 +537,7 @@ def _state_grad_kernel(
 @triton.jit
 def _keys_kernel(
     Q, DO, WK, WV, RK, RV, G, MASK, DK, DV_,
-    sq_b, sq_t, so_b, so_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h,
+    sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
@@ -545,7 +545,10 @@ def _keys_kernel(
 ):
     """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
     dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
-    dk and (dO, Wv, Rv) for dv (both in one pass over the row blocks when DO_K and DO_V)."""
+    dk and (dO, Wv, Rv) for dv (both in one pass over the row blocks when DO_K and DO_V). DK, DV_: the layouts of
+    k and v."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
+    sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
     offs_m = tl.arange(0, M)
     cidx = pid_bh.to(tl.int64) * NCH + c
@@ -606,7 +609,6 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     E = alloc(B, H, L, M, dtype=f32, device=dev)
     wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
-    sg, strides = _strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
@@ -619,7 +621,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
+        dq, dbr, E, wk, wv, *batch_strides(p, do), T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
@@ -631,8 +633,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
         (ck, (p.q, wk, p.q, wk), D, 1), (cv, (do, wv, do, wv), DV, 1)]  # one launch for both, or one each
     for out, (y, wst, y2, wst2), dx, streams in state_grads:
         _state_grad_kernel[(n, B * H, streams * dx // cols)](
-            y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), y.stride(1), y2.stride(0), y2.stride(1), *sg,
-            T, W, n, DX=dx, **grad_common,
+            y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), p.log_alpha.stride(0), T, W, n, DX=dx,
+            **grad_common,
         )
         launched("slot bwd state_grad")
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
@@ -642,20 +644,18 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
     totals = alloc(B, H, M, n, dtype=f32, device=dev)
-    kstr = (p.q.stride(0), p.q.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2), *sg)
     merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
     sides = [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]
     for do_k, do_v, dx in sides:
         _keys_kernel[(n, B * H, dx // cols)](
-            p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *kstr, T, W, n,
+            p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *batch_strides(p, do), T, W, n,
             D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
         )
         launched("slot bwd keys")
     bm = min(M, CONFIG.get("keys_da_slots") or M)
     da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
     _keys_da_kernel[(n, B * H, M // bm)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *strides, T, W, n, L,
+        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *batch_strides(p, do), T, W, n, L,
         D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
     )
     launched("slot bwd keys_da")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import chunk_fwd
-from .chunk_fwd import _query_rows, _row_stats
+from .chunk_fwd import _query_rows, _row_stats, _token_strides
 
 CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
 # (CONFIG["window_bwd_block"] overrides)
@@ -25,14 +25,14 @@ HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
 @triton.jit
 def _dq_kernel(
     QR, KR, V, DO, LSE, DELTA, MASK, DQR,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t,
-    T, W, scale,
+    sq_b, sk_b, sv_b, so_b, T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
     DELTA_ONLY: tl.constexpr,
 ):
     """dq_rope of the window part; with DELTA_ONLY, instead DELTA[row] = sum_j p_j (dO . v_j) (its window
     share of an exact delta = sum P * dP; the slot backward adds the slot share)."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
@@ -75,11 +75,11 @@ def _dq_kernel(
 @triton.jit
 def _dkv_kernel(
     QR, KR, V, DO, LSE, DELTA, MASK, DKR, DV_,
-    sq_b, sq_t, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t,
-    T, W, scale,
+    sq_b, sk_b, sv_b, so_b, T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
 ):
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
     pid_k = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -128,14 +128,11 @@ def _dkv_kernel(
 
 
 def _launch(p, do, scale, cq):
-    """(strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens."""
+    """(batch strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens."""
     G = p.G
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
-    args = (
-        p.q.stride(0), p.q.stride(1), p.k.stride(0), p.k.stride(1), p.k.stride(2),
-        p.v.stride(0), p.v.stride(1), p.v.stride(2), do.stride(0), do.stride(1), p.T, p.W, float(scale),
-    )
+    args = (p.q.stride(0), p.k.stride(0), p.v.stride(0), do.stride(0), p.T, p.W, float(scale))
     meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=BN, PREC=p.prec,
                 HIGH=HIGH and p.prec != "ieee", num_warps=4 if BR <= 64 else 8, num_stages=2)
     return args, meta
