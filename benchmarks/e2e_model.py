@@ -2,17 +2,19 @@
 runs forward+backward at 8K tokens through the Triton kernels and through the plain-PyTorch chunked form; the
 logits and gradients must agree within bf16 tolerance (random weights; on a converted model's real weights two bf16
 paths drift apart far more, so `real_weights_check.py` measures each against fp32 instead). Also times prefill and
-cached decode, beside the original Llama's decode with the same weights (with PyTorch's default SDPA backends, and
-with the backends NHA's full layers decode with).
+cached decode, beside the original Llama's decode with the same weights (with PyTorch's default SDPA backends, and,
+in rounds alternating with NHA's, with the backends NHA's full layers decode with).
 
 Usage (GPU machine): PYTHONPATH=. python benchmarks/e2e_model.py [--layers 8] [--tokens 8192]
 Writes benchmarks/results/e2e_model_h200.json. With --memory it only prints the peak memory of a training step with
-and without gradient checkpointing (nothing written).
+and without gradient checkpointing; with --decode only the alternating decode rounds (--profile: where their host
+time goes); neither writes the file.
 """
 
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -90,6 +92,22 @@ def decode_ms_per_token(model, ids, steps=20):
     return 1000 * sorted(times)[steps // 2]
 
 
+def decode_rounds(model, original, ids, rounds):
+    """{"NHA": [...], "original": [...]}: `rounds` alternating measurements of each (`decode_ms_per_token`; the
+    original with the SDPA backends NHA's full layers decode with), so both see the same host noise (this host's
+    eager decode varies by up to 2x between runs)."""
+    out = {"NHA": [], "original": []}
+    for _ in range(rounds):
+        out["NHA"].append(decode_ms_per_token(model, ids))
+        with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
+            out["original"].append(decode_ms_per_token(original, ids))
+    return out
+
+
+def ratios(rounds):
+    return [a / b for a, b in zip(rounds["NHA"], rounds["original"])]
+
+
 def profile_decode_step(model, ids, name, steps=10):
     """torch.profiler's table of 10 eager decode steps, by self CPU time: where the host time goes."""
     with torch.no_grad():
@@ -148,7 +166,7 @@ def main():
                         help="only print the peak memory of a training step with and without gradient checkpointing")
     parser.add_argument("--decode", action="store_true",
                         help="only print the eager decode ms/token, NHA against the original (same SDPA backends)")
-    parser.add_argument("--rounds", type=int, default=5, help="with --decode: alternating rounds of 20 steps")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating decode rounds of 20 steps, NHA and original")
     parser.add_argument("--profile", action="store_true",
                         help="with --decode: also print where the host time of 10 decode steps goes (torch.profiler)")
     args = parser.parse_args()
@@ -163,17 +181,12 @@ def main():
             print(f"tokens={args.tokens} checkpointing={checkpointing}: peak "
                   f"{peak_training_gib(model, ids, checkpointing):.2f} GiB above the weights")
         return
-    if args.decode:  # rounds alternating the two models, so both see the same host noise
+    if args.decode:
         original = original_model(model)
-        rounds = {"NHA": [], "original": []}
-        for _ in range(args.rounds):
-            rounds["NHA"].append(decode_ms_per_token(model, ids))
-            with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
-                rounds["original"].append(decode_ms_per_token(original, ids))
+        rounds = decode_rounds(model, original, ids, args.rounds)
         print(f"decode ms/token, {args.layers} layers, {args.tokens}-token prompt, rounds: " + "; ".join(
             f"{name} {', '.join(f'{x:.2f}' for x in ms)}" for name, ms in rounds.items()))
-        print("ratio NHA / original per round: " + ", ".join(
-            f"{a / b:.3f}" for a, b in zip(rounds["NHA"], rounds["original"])))
+        print("ratio NHA / original per round: " + ", ".join(f"{x:.3f}" for x in ratios(rounds)))
         if args.profile:
             profile_decode_step(model, ids, "NHA")
             with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
@@ -190,18 +203,18 @@ def main():
     worst = max(grad_errors, key=grad_errors.get)
     with torch.no_grad():
         _, prefill_s = timed(lambda: model(ids, use_cache=True))
-    decode_ms = decode_ms_per_token(model, ids)
     original = original_model(model)  # the same weights without the NHA parts: every layer full attention
     original_default_ms = decode_ms_per_token(original, ids)
-    with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):  # the backends NHA's full layers decode with
-        original_ms = decode_ms_per_token(original, ids)
+    rounds = decode_rounds(model, original, ids, args.rounds)
     result = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
         "tokens": args.tokens, "windows": model.config.nha_windows,
-        "logits_rel_err": relative(kernel_logits, torch_logits), "worst_grad": worst, "worst_grad_rel_err": grad_errors[worst],
+        "logits_rel_err": relative(kernel_logits, torch_logits), "worst_grad": worst,
+        "worst_grad_rel_err": grad_errors[worst],
         "fwd_bwd_s_kernels": kernel_s, "fwd_bwd_s_pytorch": torch_s, "prefill_s": prefill_s,
-        "decode_ms_per_token_eager": decode_ms,
-        "original_decode_ms_per_token_eager": original_ms,
+        "decode_ms_per_token_eager": statistics.median(rounds["NHA"]),
+        "original_decode_ms_per_token_eager": statistics.median(rounds["original"]),
+        "decode_ratio_per_round": [round(x, 3) for x in ratios(rounds)],
         "original_decode_ms_per_token_eager_default_sdpa": original_default_ms,
     }
     print(json.dumps(result, indent=2))
