@@ -8,6 +8,24 @@ from .slot_bwd import slot_backward_triton
 from .window_bwd import window_backward, window_delta
 
 
+# The kernels form element offsets as a batch index times a batch stride in int32: a call whose largest
+# [B, T, heads, dim] tensor reaches this many elements runs in batch slices (its sequences are independent).
+OFFSET_LIMIT = 2**31
+
+
+def batch_slices(q, v, log_alpha):
+    """Slices of the batch whose [b, T, HQ, max(D, Dv, M)] tensors (q, o, the slot backward's row weights) stay
+    below OFFSET_LIMIT elements: one slice, the whole batch, unless B x T is very large."""
+    batch, length, q_heads = q.shape[:3]
+    per_sequence = length * q_heads * max(q.shape[-1], v.shape[-1], log_alpha.shape[-1])
+    step = max(1, (OFFSET_LIMIT - 1) // per_sequence)
+    return [slice(start, start + step) for start in range(0, batch, step)]
+
+
+def _part(x, rows):
+    return None if x is None else x[rows]
+
+
 def _has_slots(prep, filled0_any=False):
     return prep.W < prep.T or filled0_any
 
@@ -57,6 +75,10 @@ class _NHAFunction(torch.autograd.Function):
 
 def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None):
     """Same contract as `nha_reference`; differentiable in q, k, v, q_rope, k_rope, log_alpha, slot_bias."""
+    slices = batch_slices(q, v, log_alpha)
+    if len(slices) > 1:  # beyond the kernels' int32 offsets (OFFSET_LIMIT): one call per batch slice
+        return torch.cat([nha_attention(*(x[rows] for x in (q, k, v, q_rope, k_rope, log_alpha)), window, scale,
+                                        _part(attention_mask, rows), slot_bias) for rows in slices])
     return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask)
 
 
@@ -120,6 +142,13 @@ def nha_chunked_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attent
     Without a carried state this is `nha_attention` (differentiable); with one (prefill after a cached prefix)
     it is inference only: the state's window tokens are prepended as keys without queries.
     """
+    slices = batch_slices(q, v, log_alpha)
+    if len(slices) > 1:  # beyond the kernels' int32 offsets (OFFSET_LIMIT): one call per batch slice
+        parts = [nha_chunked_triton(*(x[rows] for x in (q, k, v, q_rope, k_rope, log_alpha)), window, scale,
+                                    _part(attention_mask, rows), slot_bias,
+                                    None if initial_state is None else initial_state.map(lambda t, r=rows: t[r]),
+                                    output_final_state) for rows in slices]
+        return torch.cat([o for o, _ in parts]), NHAState.cat([s for _, s in parts]) if output_final_state else None
     if initial_state is None and not output_final_state:
         return nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias), None
     if initial_state is None and torch.is_grad_enabled() and any(

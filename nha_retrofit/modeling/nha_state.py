@@ -53,6 +53,11 @@ class NHAState:
             window_mask=zeros(batch, 0, dtype=torch.bool),
         )
 
+    @classmethod
+    def cat(cls, states) -> "NHAState":
+        """The states of consecutive batch slices as one state (tensors concatenated along the batch)."""
+        return cls(**{f.name: torch.cat([getattr(s, f.name) for s in states]) for f in fields(cls)})
+
     def map(self, fn) -> "NHAState":
         """A new state with `fn` applied to every tensor (batch selection, device moves, ...)."""
         return NHAState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})

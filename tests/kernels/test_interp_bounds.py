@@ -38,3 +38,7 @@ def test_prefill_with_carried_state_matches_under_interpreter():
 
 def test_in_place_decode_step_matches_under_interpreter():
     run_interp_script("interp_decode.py", expect="OK")
+
+
+def test_calls_beyond_int32_offsets_run_in_batch_slices_under_interpreter():
+    run_interp_script("interp_batch_slices.py", expect="OK")

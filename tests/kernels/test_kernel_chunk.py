@@ -256,6 +256,47 @@ def test_prefill_state_and_200_decode_steps_match_chunk_kernel(window, M, heads,
         assert len(pointers) == 1
 
 
+def test_batch_beyond_int32_offsets_runs_in_slices():
+    """5 sequences of 128K tokens at the Llama-3-8B shape hold 2.7e9 elements per q-sized tensor, past the kernels'
+    int32 offsets (batch index x batch stride): the call runs in batch slices (`autograd.batch_slices`: 3 + 2), and
+    the last sequence's output equals its own call's (unsliced, its offsets would reach 2^31)."""
+    from nha_retrofit.kernels import autograd
+
+    B, T, HQ, H, D, M, window, dtype = 5, 2**17, 32, 8, 128, 64, 64, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    r = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=dtype)  # noqa: E731
+    args = [r(B, T, HQ, D), r(B, T, H, D), r(B, T, H, D), r(B, T, HQ, D), r(B, T, H, D),
+            torch.nn.functional.logsigmoid(r(B, T, H, M).float()) / 8]
+    assert [(s.start, s.stop) for s in autograd.batch_slices(args[0], args[2], args[5])] == [(0, 3), (3, 6)]
+    with torch.no_grad():
+        out = nha_attention(*args, window, D**-0.5)
+        alone = nha_attention(*[a[4:] for a in args], window, D**-0.5)
+        first = nha_attention(*[a[:1] for a in args], window, D**-0.5)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[4:], alone) and torch.equal(out[:1], first)
+
+
+def test_batch_slices_equal_one_call(monkeypatch):
+    """With the offset limit lowered to one sequence per slice, training (output, every gradient) equals one call;
+    the slot bias's bf16 gradient is summed per slice and rounded to bf16 before the slices add up (H200: 3.2e-3)."""
+    from nha_retrofit.kernels import autograd
+
+    T, HQ, H, D, M, window, dtype, batch = 300, 8, 2, 64, 32, 40, torch.bfloat16, 3
+    inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch)
+    mask = padding_mask(batch, T, "left").cuda()
+
+    def run():
+        x = {n: inputs[n].to(dtype).detach().requires_grad_(True) for n in NAMES}
+        out = nha_attention(*[x[n] for n in NAMES[:6]], window, inputs["scale"], mask, x["slot_bias"])
+        return [out, *torch.autograd.grad(out, [x[n] for n in NAMES], inputs["dO"])]
+
+    whole = run()
+    monkeypatch.setattr(autograd, "OFFSET_LIMIT", T * HQ * max(D, M) + 1)
+    sliced = run()
+    for name, got, want in zip(("o",) + NAMES, sliced, whole):
+        assert rel(got, want) <= (TOL[dtype] if name == "slot_bias" else 1e-6), (name, rel(got, want))
+
+
 @pytest.mark.parametrize("window", [0, 64, 130])
 def test_decode_step_applies_the_gate_to_gate_logits(window):
     """The model's route: the step takes bf16 gate logits f and tau (and a bf16 slot bias) and applies
