@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from nha_oracle import make_inputs, nha_oracle, padding_mask
-from nha_retrofit.ops import nha_chunked, nha_recurrent_step, nha_reference
+from nha_retrofit.modeling.nha_gates import gate_log_alpha
+from nha_retrofit.ops import NHAState, nha_chunked, nha_recurrent_step, nha_reference
 
 OPERATOR_ARGS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
 
@@ -160,6 +161,35 @@ def test_state_window_ring_reads_oldest_first():
         assert torch.equal(getattr(rotated.chronological(), name), getattr(roomy, name))
     with pytest.raises(ValueError, match="more than the window"):
         state.for_decoding(5)
+
+
+def test_batch_slices_states_concatenate_into_the_batch_state():
+    """`NHAState.cat` of per-slice prefills equals the whole batch's state (how the kernels run huge batches)."""
+    inputs = make_inputs(3, 30, 4, 2, 8, 5)
+    mask = padding_mask(3, 30, "left")
+    common = dict(window=4, scale=inputs["scale"], slot_bias=inputs["slot_bias"], output_final_state=True)
+    _, whole = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, attention_mask=mask, **common)
+    parts = [nha_chunked(**{n: inputs[n][rows] for n in OPERATOR_ARGS}, attention_mask=mask[rows], **common)[1]
+             for rows in (slice(0, 2), slice(2, 3))]
+    for joined, want in zip(NHAState.cat(parts).tensors(), whole.tensors()):
+        assert joined.shape == want.shape
+        assert_close(joined.double(), want.double(), 1e-12)
+
+
+def test_recurrent_step_takes_gate_logits_and_normalizer():
+    """The model's decode route: gate logits f and tau give the step of log(alpha) = logsigmoid(f) / tau."""
+    inputs = make_inputs(2, 12, 4, 2, 8, 5)
+    logits = 4 * torch.randn(2, 12, 2, 5, dtype=torch.float64)
+    common = dict(window=3, scale=inputs["scale"], slot_bias=inputs["slot_bias"])
+    args = {n: inputs[n][:, :11] for n in OPERATOR_ARGS}
+    _, state = nha_chunked(**dict(args, log_alpha=gate_log_alpha(logits[:, :11], 8.0)), output_final_state=True,
+                           **common)
+    token = {n: inputs[n][:, 11:] for n in OPERATOR_ARGS}
+    fused, _ = nha_recurrent_step(**dict(token, log_alpha=logits[:, 11:]), state=state.map(torch.clone),
+                                  gate_normalizer=8.0, **common)
+    plain, _ = nha_recurrent_step(**dict(token, log_alpha=gate_log_alpha(logits[:, 11:], 8.0)), state=state,
+                                  **common)
+    assert torch.equal(fused, plain)
 
 
 def test_left_padded_batch_equals_each_sequence_alone():
