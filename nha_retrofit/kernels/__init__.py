@@ -8,7 +8,8 @@
 - `KERNELS_AVAILABLE`: Triton importable and a CUDA device present.
 
 Shapes the kernels take: head dims and slot count powers of two (16..256), query heads a multiple of kv
-heads, float32/bfloat16/float16 inputs. Anything else (or CPU tensors) falls back to the PyTorch forms.
+heads, float32/bfloat16/float16 inputs. Anything else (or CPU tensors) falls back to the PyTorch forms. A call whose
+q-sized tensors reach 2^31 elements runs in batch slices (`autograd.batch_slices`: the kernels' offsets are int32).
 """
 
 import torch
