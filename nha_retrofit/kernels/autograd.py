@@ -17,7 +17,7 @@ def batch_slices(q, v, log_alpha):
     """Slices of the batch whose [b, T, HQ, max(D, Dv, M)] tensors (q, o, the slot backward's row weights) stay
     below OFFSET_LIMIT elements: one slice, the whole batch, unless B x T is very large."""
     batch, length, q_heads = q.shape[:3]
-    per_sequence = length * q_heads * max(q.shape[-1], v.shape[-1], log_alpha.shape[-1])
+    per_sequence = max(1, length * q_heads * max(q.shape[-1], v.shape[-1], log_alpha.shape[-1]))
     step = max(1, (OFFSET_LIMIT - 1) // per_sequence)
     return [slice(start, start + step) for start in range(0, batch, step)]
 
