@@ -83,8 +83,8 @@ def _token_strides(HQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.co
     """Token and head strides of the contiguous [B, T, heads, dim] operands (`Prepared` makes every input so, the
     wrappers allocate every output so): q (token only), k, v, o (token only); the gates' [B, T, H, M] are H * M
     and M. Constants, not launch arguments: each argument costs host time in Triton's launcher. The batch strides
-    depend on T and stay arguments (`batch_strides`): derived in the kernels, they held registers and three kernels
-    spilled more (register report)."""
+    depend on T and stay arguments (`batch_strides`): derived in the kernels they would be values held in registers,
+    where arguments sit in the constant bank (a version that derived them spilled more; NOTES.md, session 12)."""
     return HQ * D, H * D, D, H * DV, DV, HQ * DV
 
 

@@ -132,7 +132,8 @@ def _launch(p, do, scale, cq):
     G = p.G
     BR = max(16, triton.next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
-    args = (p.q.stride(0), p.k.stride(0), p.v.stride(0), do.stride(0), p.T, p.W, float(scale))
+    q, k, v, _, o = chunk_fwd.batch_strides(p, do)  # (no gates here)
+    args = (q, k, v, o, p.T, p.W, float(scale))
     meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=BN, PREC=p.prec,
                 HIGH=HIGH and p.prec != "ieee", num_warps=4 if BR <= 64 else 8, num_stages=2)
     return args, meta

@@ -183,7 +183,7 @@ class NHAForCausalLMMixin:
             kwargs["nha_padding_mask"] = attention_mask
         kwargs[_CACHE_ARGUMENT] = cache
         # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200 (torch 2.11). The
-        # full layers' decode steps use the other SDPA backends, set once per step (each switch costs ~10-20 us).
+        # full layers' decode steps use the other SDPA backends, set once per model step (a switch costs host time).
         tokens = input_ids if input_ids is not None else inputs_embeds
         decoding_on_gpu = tokens is not None and tokens.is_cuda and tokens.shape[1] == 1
         with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding_on_gpu else contextlib.nullcontext():
