@@ -577,8 +577,6 @@ CONFIG = {
     # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
     "slot_bwd_precision": "bf16x3",  # fp32 products of the slot backward (products.py; bf16x3 was 4.6 ms faster
     # than tf32x3 per 32K step on the H200)
-    "slot_bwd_output_precision": None,  # the products that end only in dq, dk, dv (slot_bwd.output_precision;
-    # None: as slot_bwd_precision)
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
@@ -628,8 +626,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "values_tf32": dict(value_precision="tf32"),
     "fwd_tf32": dict(slot_precision="tf32"),
     "bwd_tf32": dict(slot_bwd_precision="tf32"),
-    "bwd_outputs_tf32": dict(slot_bwd_output_precision="tf32"),
-    "bwd_outputs_bf16": dict(slot_bwd_output_precision="bf16"),
     "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
     "fwd_tf32x3": dict(slot_precision="tf32x3"),
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),

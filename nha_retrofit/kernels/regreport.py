@@ -117,7 +117,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         common = constants(bq, sprec, 64)
         tag = f"block={bq} {sprec}"
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", OPREC=sprec), warps, 1),
+                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
@@ -125,17 +125,11 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
                 (f"slot bwd keys_da {tag}", slot_bwd._keys_da_kernel,
                  dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
-    # the products ending only in dq, dk, dv in TF32 (CONFIG["slot_bwd_output_precision"])
-    bq, warps, sprec = launches[-1]
-    for oprec in ("tf32", "bf16"):
-        out.append((f"slot bwd rows block={bq} {sprec}, dq {oprec}", slot_bwd._rows_kernel,
-                    dict(constants(bq, sprec, 64), D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", OPREC=oprec), warps,
-                    1))
     # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
     bq, _, sprec = launches[0]
-    for warps, kprec in ((4, sprec), (8, sprec), (4, "tf32"), (4, "bf16")):
-        common = constants(bq, kprec, 128)
-        tag = f"block={bq} {kprec} columns={min(128, D)}"
+    common = constants(bq, sprec, 128)
+    for warps in (4, 8):
+        tag = f"block={bq} {sprec} columns={min(128, D)}"
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),

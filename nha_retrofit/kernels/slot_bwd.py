@@ -285,11 +285,10 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, OPREC: tl.constexpr, LIMIT: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product; OPREC: the precision of the dq
-    products (`output_precision`)."""
+    added in place; BT: a power of two >= CQB, the tokens of the E product."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
@@ -331,7 +330,7 @@ def _rows_kernel(
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
-             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, OPREC)
+             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
 
 
 @triton.jit
@@ -437,22 +436,12 @@ def _keys_da_kernel(
     _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M, CSZ)
 
 
-def slot_bwd_precision(dtype, slots, name=None):
-    """SPREC (products.py) of the slot backward's fp32 products for `dtype` inputs: `name` or
-    CONFIG["slot_bwd_precision"], except "tf32x3" for bf16x3 with fewer than 64 slots (Triton 3.6 miscompiled its
-    rows kernel's 16/32-wide bf16 slot products at D = 64 with 8 query heads per kv head on the H200: wrong
-    gradients or a fault)."""
-    sprec = product_precision(name or CONFIG["slot_bwd_precision"], dtype)
+def slot_bwd_precision(dtype, slots):
+    """SPREC (products.py) of the slot backward's fp32 products for `dtype` inputs: CONFIG["slot_bwd_precision"],
+    except "tf32x3" for bf16x3 with fewer than 64 slots (Triton 3.6 miscompiled its rows kernel's 16/32-wide bf16
+    slot products at D = 64 with 8 query heads per kv head on the H200: wrong gradients or a fault)."""
+    sprec = product_precision(CONFIG["slot_bwd_precision"], dtype)
     return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
-
-
-def output_precision(dtype, slots):
-    """SPREC of the products that end only in dq, dk and dv (the keys kernel, the rows kernel's dq):
-    CONFIG["slot_bwd_output_precision"], else as `slot_bwd_precision`. These gradients are stored in the inputs'
-    dtype, and none of them feeds a cancelling sum: the log_alpha gradient (a suffix sum over the sequence, which
-    plain TF32 broke, NOTES.md v2) and the slot_bias gradient come from the rows kernel's E and dl and the
-    keys_da kernel's UV, whose products keep `slot_bwd_precision`. fp32 inputs stay "ieee"."""
-    return slot_bwd_precision(dtype, slots, CONFIG.get("slot_bwd_output_precision"))
 
 
 @triton.jit
@@ -629,12 +618,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
     cols = min(cols, D, DV)
     grad_common = dict(common, BD=cols, num_warps=cols_warps or warps)
-    oprec = output_precision(p.q.dtype, p.M)
-    keys_launch = dict(keys_common, BD=cols, SPREC=oprec, num_warps=cols_warps or keys_common["num_warps"])
+    keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *batch_strides(p, do), T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, OPREC=oprec, **rows_common,
+        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
