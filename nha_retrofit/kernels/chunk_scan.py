@@ -52,21 +52,12 @@ def _chunk(i, N, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def load_parts(BIN, row, tile, dmask, M: tl.constexpr, DX: tl.constexpr, PARTS: tl.constexpr):
-    """The sum of the PARTS consecutive [M, DX] partial tiles at state row `row` of BIN (one when PARTS = 1)."""
-    x = tl.load(BIN + row * PARTS * M * DX + tile, mask=dmask[None, :], other=0.0)
-    for part in tl.static_range(1, PARTS):
-        x += tl.load(BIN + (row * PARTS + part) * M * DX + tile, mask=dmask[None, :], other=0.0)
-    return x
-
-
-@triton.jit
 def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
                          M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
-                         REVERSE: tl.constexpr, PARTS: tl.constexpr):
+                         REVERSE: tl.constexpr):
     """Per (tile, batch x head, segment s): the scan of steps s*K .. s*K+K-1 from zero into OUT (chunk c of a
-    state array at row c + SHIFT of ROWS per head; BIN holds PARTS partial tiles per row, summed on loading); the
-    segment's end state into END[s] and its decay product into DPROD[s]."""
+    state array at row c + SHIFT of ROWS per head); the segment's end state into END[s] and its decay product
+    into DPROD[s]."""
     offs_m, dmask, tile, first_tile = _tile(M, DX, BM, BD)
     pid_bh = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -75,12 +66,11 @@ def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
     prod = tl.full([BM], 1.0, dtype=tl.float32)
     for i in range(s * K, tl.minimum(s * K + K, N)):
         c = _chunk(i, N, REVERSE)
-        state = pid_bh * ROWS + c + SHIFT
-        row = state * M * DX
+        row = (pid_bh * ROWS + c + SHIFT) * M * DX
         if REVERSE:  # exclusive: the state after chunk c is what the later chunks sent back
             tl.store(OUT + row + tile, x, mask=dmask[None, :])
         dec = tl.load(DEC + (dec_bh * N + c) * M + offs_m)
-        x = dec[:, None] * x + load_parts(BIN, state, tile, dmask, M, DX, PARTS)
+        x = dec[:, None] * x + tl.load(BIN + row + tile, mask=dmask[None, :], other=0.0)
         prod = prod * dec
         if not REVERSE:
             tl.store(OUT + row + tile, x, mask=dmask[None, :])
@@ -122,13 +112,12 @@ def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
             decay = decay * tl.load(DEC + (dec_bh * N + c) * M + offs_m)
 
 
-def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, parts=1):
+def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
     """The scan of `naive_chunk_scan` in segments of `segment` chunks, into `out` (may be `bin_`: in place).
 
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
-    tile: the (slots, columns) of one program. With `parts` > 1, bin_ is [S * BH, rows, parts, M, X]: each step
-    adds the sum of its parts (partial sums written by several programs)."""
+    tile: the (slots, columns) of one program."""
     nbh, n, M = dec.shape
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
@@ -138,7 +127,7 @@ def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, 
     ntile = (M // BM) * triton.cdiv(X, BD)
     args = (dec, out, end, dprod, n, nseg, rows, rows - n, nbh)
     meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
-    _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, PARTS=parts, **meta)
+    _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, **meta)
     has_x0 = x0 is not None
     if nseg > 1 or has_x0:
         _segment_fixup_kernel[(ntile, BH, nseg - 1 + has_x0)](x0 if has_x0 else out, *args, HAS_X0=has_x0, **meta)

@@ -27,7 +27,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, UVB=F32, Y2=BF, WST2=F32,
-                TOT=F32, CPK=F32, CPV=F32)
+                TOT=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
@@ -67,8 +67,8 @@ def cases(HQ, H, D, M):
     update = dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC=cf.CONFIG["slot_precision"], ZERO_FIRST=True)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
-           ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D), PARTS=1), 4, 3)]
-    seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False, PARTS=1)
+           ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
+    seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
     out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
             ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2)]
     auto = cf.fwd_block(G, cs)
@@ -117,7 +117,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         common = constants(bq, sprec, 64)
         tag = f"block={bq} {sprec}"
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", STATE_GRAD=False), warps, 1),
+                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),
@@ -125,10 +125,6 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
                 (f"slot bwd keys_da {tag}", slot_bwd._keys_da_kernel,
                  dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, 1)]
-    bq, warps, sprec = launches[-1]  # the rows kernel forming the state-gradient contributions too
-    out.append((f"slot bwd rows block={bq} {sprec}, state grads", slot_bwd._rows_kernel,
-                dict(constants(bq, sprec, 64), D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", STATE_GRAD=True), warps,
-                1))
     # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
     bq, _, sprec = launches[0]
     common = constants(bq, sprec, 128)

@@ -46,7 +46,7 @@ import triton.language as tl
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
                         _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc, batch_strides,
                         kv_states, launched, scan_tile)
-from .chunk_scan import load_parts, segmented_chunk_scan
+from .chunk_scan import segmented_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D
@@ -56,9 +56,9 @@ BQ = 16  # query tokens per row block (CONFIG["slot_bwd_block"] overrides; 16 wa
 
 @triton.jit
 def _rev_scan_kernel(CONT, DEC, R, NCH, NBH, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr,
-                     BD: tl.constexpr, PARTS: tl.constexpr):
+                     BD: tl.constexpr):
     """R[c] = sum_{c' > c} (prod_{c < c'' < c'} dec[c'']) * cont[c']: gradient w.r.t. the state after chunk c
-    (row r of CONT with the decays of row r % NBH of DEC; cont[c'] the sum of its PARTS partial tiles)."""
+    (row r of CONT with the decays of row r % NBH of DEC)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     NDB: tl.constexpr = (DX + BD - 1) // BD
@@ -73,27 +73,27 @@ def _rev_scan_kernel(CONT, DEC, R, NCH, NBH, M: tl.constexpr, DX: tl.constexpr, 
         c = NCH - 1 - i
         tl.store(R + (base + c) * M * DX + tile, acc, mask=dmask[None, :])
         dec = tl.load(DEC + (dec_base + c) * M + offs_m)
-        acc = dec[:, None] * acc + load_parts(CONT, base + c, tile, dmask, M, DX, PARTS)
+        cont = tl.load(CONT + (base + c) * M * DX + tile, mask=dmask[None, :], other=0.0)
+        acc = dec[:, None] * acc + cont
 
 
-def reverse_scan(cont, dec, parts=1):
-    """cont [..., B, H, n, M, X] (several state gradients sharing dec), dec [B, H, n, M] -> R [..., B, H, n, M, X]
-    (see the kernel). With `parts` > 1, cont is [..., B, H, n, parts, M, X]: partial sums added on loading."""
+def reverse_scan(cont, dec):
+    """cont [..., B, H, n, M, X] (several state gradients sharing dec), dec [B, H, n, M] -> R of cont's shape (see
+    the kernel)."""
     B, H, n, M = dec.shape
     X = cont.shape[-1]
-    rows = cont.numel() // (n * parts * M * X)
+    rows = cont.numel() // (n * M * X)
     cont, dec = cont.contiguous(), dec.contiguous()
-    shape = cont.shape[:-3] + (M, X) if parts > 1 else cont.shape
-    out = alloc(*shape, dtype=cont.dtype, device=cont.device)
+    out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
         flat = (rows, n, M, X)
-        segmented_chunk_scan(cont, dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
-                             scan_tile(M, X, 16), reverse=True, parts=parts)
+        segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
+                             scan_tile(M, X, 16), reverse=True)
         launched("segmented rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)
     _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), rows)](cont, dec, out, n, B * H, M=M, DX=X, BM=BM, BD=BD,
-                                                             PARTS=parts, num_warps=4, num_stages=3)
+                                                             num_warps=4, num_stages=3)
     launched("rev_scan")
     return out
 
@@ -254,11 +254,11 @@ def _block_chunk(G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_
 
 
 @triton.jit
-def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, e_car, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
+def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
              CSZ: tl.constexpr, SPREC: tl.constexpr):
     """dq (slot part) of the block's rows from their weights wk = scale dl: wk e^(a_u) . Sk (the state before the
-    chunk; e_car = e^(a_u)) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes."""
+    chunk) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes."""
     offs_u = tl.arange(0, CSZ)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
@@ -269,7 +269,7 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, e_car, causal, direct, row, krow,
             e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
                                                tok >= jj, M, M)
             bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
-    wc = wk * e_car
+    wc = wk * tl.exp(a_in + a_ref[None, :])
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
@@ -278,31 +278,17 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, e_car, causal, direct, row, krow,
 
 
 @triton.jit
-def _state_grad_part(CPART, w, Y, yrow, tv, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
-                     SPREC: tl.constexpr):
-    """CPART[:, cols] = w^T Y[rows, cols] for the block's rows, in BD-column passes: the block's share [M, DX] of
-    its chunk's contribution to a state gradient (`_state_grad_kernel`), w = the row weights times e^(a_u)."""
-    offs_c = tl.arange(0, BD)
-    offs_m = tl.arange(0, M)
-    for d0 in range(0, DX, BD):
-        y = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
-        tl.store(CPART + offs_m[:, None] * DX + d0 + offs_c[None, :], dot_xb(tl.trans(w), y.to(tl.float32), SPREC))
-
-
-@triton.jit
 def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
-    DQ, DB, E, WK, WV, CPK, CPV,
+    DQ, DB, E, WK, WV,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, STATE_GRAD: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product. With STATE_GRAD, also the block's
-    share of its chunk's state-gradient contributions (the state_grad kernel's work) into CPK / CPV [B * H, NCH,
-    CS / CQB, M, D or DV], one partial per block (the grid covers every chunk's blocks, past T included)."""
+    added in place; BT: a power of two >= CQB, the tokens of the E product."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
@@ -343,12 +329,7 @@ def _rows_kernel(
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
-    if STATE_GRAD:
-        NB: tl.constexpr = CSZ // CQB
-        part = (pid_bh.to(tl.int64) * NCH + cs0 // CSZ) * NB + off // CQB
-        _state_grad_part(CPV + part * M * DV, p * e_car, DO, orow, tv, DV, BD, M, SPREC)
-        _state_grad_part(CPK + part * M * D, wk * e_car, Q, row, tv, D, BD, M, SPREC)
-    _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, e_car, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
+    _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
 
 
@@ -638,32 +619,26 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     cols = min(cols, D, DV)
     grad_common = dict(common, BD=cols, num_warps=cols_warps or warps)
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
-    # the chunks' contributions to the key and value state gradients, in one array (one reverse scan for both) when
-    # they have one shape; from the rows kernel (one partial per row block) or from the state_grad kernel
-    in_rows = CONFIG["slot_bwd_rows_state_grad"]
-    parts = CS // rows_bq if in_rows else 1
-    per_chunk = (parts,) if in_rows else ()
-    merged_states = D == DV and CONFIG["merge_kv_states"]
-    both = alloc(2, B, H, n, *per_chunk, M, D, dtype=f32, device=dev) if merged_states else None
-    ck, cv = both.unbind(0) if merged_states else (alloc(B, H, n, *per_chunk, M, D, dtype=f32, device=dev),
-                                                   alloc(B, H, n, *per_chunk, M, DV, dtype=f32, device=dev))
-    _rows_kernel[(n * parts if in_rows else triton.cdiv(T, rows_bq), B * H)](
+    _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbr, E, wk, wv, ck, cv, *batch_strides(p, do), T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, STATE_GRAD=in_rows, **rows_common,
+        dq, dbr, E, wk, wv, *batch_strides(p, do), T, W, n, L, float(scale), D=D, DV=DV,
+        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
-    if not in_rows:
-        state_grads = [(both, (p.q, wk, do, wv), D, 2)] if merged_states else [
-            (ck, (p.q, wk, p.q, wk), D, 1), (cv, (do, wv, do, wv), DV, 1)]  # one launch for both, or one each
-        for out, (y, wst, y2, wst2), dx, streams in state_grads:
-            _state_grad_kernel[(n, B * H, streams * dx // cols)](
-                y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), p.log_alpha.stride(0), T, W, n, DX=dx,
-                **grad_common,
-            )
-            launched("slot bwd state_grad")
-    rk, rv = reverse_scan(both, dec, parts).unbind(0) if merged_states else (reverse_scan(ck, dec, parts),
-                                                                             reverse_scan(cv, dec, parts))
+    # the key and value state gradients in one array (one reverse scan for both) when they have one shape
+    both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
+    ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
+                                                      alloc(B, H, n, M, DV, dtype=f32, device=dev))
+    state_grads = [(both, (p.q, wk, do, wv), D, 2)] if both is not None else [
+        (ck, (p.q, wk, p.q, wk), D, 1), (cv, (do, wv, do, wv), DV, 1)]  # one launch for both, or one each
+    for out, (y, wst, y2, wst2), dx, streams in state_grads:
+        _state_grad_kernel[(n, B * H, streams * dx // cols)](
+            y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), p.log_alpha.stride(0), T, W, n, DX=dx,
+            **grad_common,
+        )
+        launched("slot bwd state_grad")
+    rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
+                                                                         reverse_scan(cv, dec))
     dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
     dv = alloc(B, T, H, DV, dtype=f32, device=dev)
     dA = alloc(B, H, L, M, dtype=f32, device=dev)
