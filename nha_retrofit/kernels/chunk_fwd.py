@@ -586,8 +586,6 @@ CONFIG = {
     # loads the chunk's [M, D] states, as the forward's do; 32 tokens with 8 warps were 0.2-0.3 ms faster per
     # 32K step than 16 with 4 on the H200, NOTES.md session 7)
     "slot_bwd_rows_warps": 8,  # warps of its rows kernel (None: slot_bwd_warps)
-    "slot_bwd_dq_kernel": None,  # dq of the slot half in the rows kernel (None) or in a kernel of its own with the
-    # rows kernel's blocks and warps ("rows") or the keys-side ones ("keys")
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
@@ -664,8 +662,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
     "keys_da_rows_block": dict(keys_da_rows_block=True),
-    "slot_dq_kernel": dict(slot_bwd_dq_kernel="rows"),
-    "slot_dq_kernel_keys": dict(slot_bwd_dq_kernel="keys"),
 }
 
 

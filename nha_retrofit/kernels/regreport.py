@@ -117,10 +117,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         common = constants(bq, sprec, 64)
         tag = f"block={bq} {sprec}"
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", WITH_DQ=True), warps, 1),
-                (f"slot bwd rows without dq {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", WITH_DQ=False), warps, 1),
-                (f"slot bwd dq {tag}", slot_bwd._slot_dq_kernel, dict(common, D=D), warps, 1),
+                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),

@@ -285,11 +285,10 @@ def _rows_kernel(
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, WITH_DQ: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product. Without WITH_DQ, dq is left to
-    `_slot_dq_kernel`."""
+    added in place; BT: a power of two >= CQB, the tokens of the E product."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
@@ -330,28 +329,6 @@ def _rows_kernel(
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
-    if WITH_DQ:
-        _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t,
-                 sg_h, cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
-
-
-@triton.jit
-def _slot_dq_kernel(
-    K, G, MASK, SK, WK, DQ,
-    sq_b, sk_b, sg_b, T, W, NCH,
-    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
-    CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
-):
-    """dq (slot part) per query block from the rows kernel's weights WK (CONFIG["slot_bwd_dq_kernel"]): the rows
-    kernel's last step as a kernel of its own, so fewer of its tiles are live at once."""
-    sq_t, sk_t, sk_h, _, _, _ = _token_strides(HQ, H, D, D)
-    sg_t, sg_h = H * M, M
-    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
-    cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _block_chunk(
-        G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT)
-    lrow = (b * T + t).to(tl.int64) * HQ + hq
-    wk = tl.load(WK + lrow[:, None] * M + tl.arange(0, M)[None, :], mask=tv[:, None], other=0.0)
-    row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
 
@@ -645,17 +622,9 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *batch_strides(p, do), T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, WITH_DQ=not CONFIG["slot_bwd_dq_kernel"],
-        **rows_common,
+        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
-    if CONFIG["slot_bwd_dq_kernel"]:
-        dq_launch = rows_common if CONFIG["slot_bwd_dq_kernel"] == "rows" else common
-        _slot_dq_kernel[(triton.cdiv(T, dq_launch["CQB"]), B * H)](
-            p.k, p.log_alpha, p.mask, sk, wk, dq, p.q.stride(0), p.k.stride(0), p.log_alpha.stride(0), T, W, n, D=D,
-            **dq_launch,
-        )
-        launched("slot bwd dq")
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
     ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
