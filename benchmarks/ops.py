@@ -202,9 +202,9 @@ def parts(T=32768, w=64):
     from nha_retrofit.kernels.window_bwd import window_backward, window_delta
 
     x = nha_inputs(T, False)
-    prepare = lambda window: chunk_fwd.Prepared(x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"],  # noqa: E731
-                                                x["log_alpha"], window, None, x["slot_bias"])
-    p = prepare(w)
+    prepare = lambda window, training=False: chunk_fwd.Prepared(  # noqa: E731
+        x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"], x["log_alpha"], window, None, x["slot_bias"], training)
+    p = prepare(w)  # the forward stages as inference runs them (CONFIG["chunk"])
     out = {}
     out["prepare"] = bench(lambda: prepare(w))
     out["kv_states"] = bench(lambda: chunk_fwd.kv_states(p))
@@ -214,6 +214,8 @@ def parts(T=32768, w=64):
         states = chunk_fwd.kv_states(q)
         with mock.patch.object(chunk_fwd, "kv_states", lambda *args, **kwargs: states):
             out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
+    p = prepare(w, True)  # the backward stages as training runs them (CONFIG["train_chunk"])
+    out["fwd total, training chunks"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
     o, lse, _ = chunk_fwd.forward(p, D**-0.5, True)
     do = torch.randn_like(o)
     out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))

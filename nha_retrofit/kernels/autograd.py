@@ -33,10 +33,11 @@ def _has_slots(prep, filled0_any=False):
 class _NHAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask):
-        prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias)
+        training = any(ctx.needs_input_grad)
+        prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
         has_slots = _has_slots(prep)
         o, lse, states = chunk_fwd.forward(prep, scale, has_slots)
-        keep = states if has_slots and chunk_fwd.CONFIG["save_states"] and any(ctx.needs_input_grad) else ()
+        keep = states if has_slots and chunk_fwd.CONFIG["save_states"] and training else ()
         # every tensor the backward reads goes through save_for_backward (none on ctx attributes), so gradient
         # checkpointing (its saved-tensor hooks) frees them after the forward and recomputes them
         ctx.save_for_backward(lse, *prep.tensors(), *keep)

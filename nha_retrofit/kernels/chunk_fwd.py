@@ -457,7 +457,7 @@ def value_precision(dtype):
 class Prepared:
     """Contiguous inputs and the per-sequence scalars every kernel needs."""
 
-    def __init__(self, q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias):
+    def __init__(self, q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training=False):
         self.B, self.T, self.HQ, self.D = q.shape
         self.H, self.M, self.DV = k.shape[2], log_alpha.shape[-1], v.shape[-1]
         self.G = self.HQ // self.H
@@ -477,7 +477,8 @@ class Prepared:
         # in its own dtype (the kernels read it as fp32): a model's bf16 parameter costs no cast here nor its backward
         self.bias = constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None else slot_bias.contiguous()
         self.prec = dot_precision(q.dtype)
-        self.cs = CONFIG["chunk"]  # read once: the backward uses the forward's chunking
+        # read once: the backward uses the forward's chunking
+        self.cs = (CONFIG["train_chunk"] or CONFIG["chunk"]) if training else CONFIG["chunk"]
         self.nch = triton.cdiv(self.T, self.cs)
 
     TENSORS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "mask", "first", "bias")
@@ -563,6 +564,10 @@ CONFIG = {
     # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
     "chunk": 64,  # tokens per slot-state chunk (CS): the intra-chunk products are [rows, CS] tiles, the states
     # [T / CS + 1, M, D] per kv head; the slot backward's and the fused forward's blocks must divide it
+    "train_chunk": 32,  # ... of a forward whose backward will run (None: "chunk"): smaller [rows, CS] tiles spill
+    # less in the slot backward, twice the chunks cost the state scans more (forward, reverse) and double the kept
+    # states; at 32K on the H200 forward+backward 9.66-9.75 against 9.90-10.03 ms, the forward alone 2.46 against
+    # 2.27 (NOTES.md session 13), so a forward without gradients keeps "chunk"
     "fwd_block": None,  # query tokens per program of the fused kernel (a power of two <= CS; None: fwd_block(G))
     "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
@@ -639,6 +644,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "direct_blocks": dict(block_factor_limit=0.0),
     "recompute_states": dict(save_states=False),
     "chunk32": dict(chunk=32),
+    "train_chunk64": dict(train_chunk=64),  # the training chunk before session 13
     "separate_kv_states": dict(merge_kv_states=False),
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),

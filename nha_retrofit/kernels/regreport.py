@@ -109,7 +109,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     pow2 = triton.next_power_of_2
 
     def constants(bq, sprec, columns):
-        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["chunk"], BR=max(16, pow2(bq * G)), BD=min(columns, D),
+        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["train_chunk"] or cf.CONFIG["chunk"], BR=max(16, pow2(bq * G)), BD=min(columns, D),
                     SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
 
     out = []
