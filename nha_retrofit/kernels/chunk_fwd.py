@@ -1,6 +1,7 @@
 """Triton forward of the NHA operator: a slot-state scan and one fused window + slot-read kernel.
 
-Notation (DESIGN.md section 2); CS = CONFIG["chunk"] tokens per slot-state chunk. Stream index u = query
+Notation (DESIGN.md section 2); CS tokens per slot-state chunk (CONFIG["chunk"], or CONFIG["train_chunk"] for a
+forward whose backward will run: `Prepared.cs`). Stream index u = query
 position t. Query u reads the slots after absorbing tokens j = 0 .. u - W (W = window), plus the window keys
 u - W + 1 .. u, under one softmax. Writing
 j = u' - W, the slot part is an inclusive gated-slot read over a "shifted" stream u' (token u' - W), so the

@@ -18,7 +18,7 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
   `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient
   per row, E[u] = sum_g (dl * l + P * dP) (summed over a token's G heads by a 0/1 selection product) and the row
   weights Wk = scale dl, Wv = P. No atomics.
-- `_state_grad_kernel`, per (64-token stream chunk, kv head, BD columns of the key side, then of the value side:
+- `_state_grad_kernel`, per (stream chunk, kv head, BD columns of the key side, then of the value side:
   both in one launch when they share a shape): the chunk's contribution to the gradient w.r.t. the state before
   it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
 - `reverse_scan` (`_rev_scan_kernel` or the two-level scan of `chunk_scan.py`): the state gradients after each
