@@ -607,8 +607,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     dq = alloc(B, T, HQ, D, dtype=p.q.dtype, device=dev)
     dbr = alloc(B, T, HQ, dtype=f32, device=dev)
     E = alloc(B, H, L, M, dtype=f32, device=dev)
-    wk = alloc(B, T, HQ, M, dtype=torch.bfloat16 if p.q.dtype == torch.bfloat16 else f32, device=dev)
-    wv = alloc(B, T, HQ, M, dtype=torch.bfloat16 if p.q.dtype == torch.bfloat16 else f32, device=dev)
+    wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
+    wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
