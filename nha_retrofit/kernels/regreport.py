@@ -108,9 +108,9 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     G = HQ // H
     pow2 = triton.next_power_of_2
 
-    def constants(bq, sprec, columns):
-        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["train_chunk"] or cf.CONFIG["chunk"], BR=max(16, pow2(bq * G)), BD=min(columns, D),
-                    SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
+    def constants(bq, sprec, columns):  # at the training chunk (the slot backward runs only in training)
+        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["train_chunk"] or cf.CONFIG["chunk"],
+                    BR=max(16, pow2(bq * G)), BD=min(columns, D), SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
 
     out = []
     for bq, warps, sprec in launches:
