@@ -32,8 +32,7 @@ def _has_slots(prep, filled0_any=False):
 
 class _NHAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask):
-        training = any(ctx.needs_input_grad)
+    def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
         has_slots = _has_slots(prep)
         o, lse, states = chunk_fwd.forward(prep, scale, has_slots)
@@ -70,7 +69,7 @@ class _NHAFunction(torch.autograd.Function):
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731 (a no-op for what the kernels store in the inputs' dtypes)
         return (
             cast(dq, p.q), cast(dk, p.k), cast(dv, p.v), cast(dqr, p.q_rope), cast(dkr, p.k_rope),
-            cast(dla, p.log_alpha), dbias, None, None, None,
+            cast(dla, p.log_alpha), dbias, None, None, None, None,
         )
 
 
@@ -80,7 +79,11 @@ def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_m
     if len(slices) > 1:  # beyond the kernels' int32 offsets (OFFSET_LIMIT): one call per batch slice
         return torch.cat([nha_attention(*(x[rows] for x in (q, k, v, q_rope, k_rope, log_alpha)), window, scale,
                                         _part(attention_mask, rows), slot_bias) for rows in slices])
-    return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask)
+    # whether the backward can run: decided here, since the autograd function's forward runs with gradients off and
+    # its needs_input_grad ignores the grad mode (a model's slot_bias parameter under torch.no_grad() counts there)
+    training = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, q_rope, k_rope, log_alpha, slot_bias))
+    return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training)
 
 
 @torch.no_grad()

@@ -42,3 +42,7 @@ def test_in_place_decode_step_matches_under_interpreter():
 
 def test_calls_beyond_int32_offsets_run_in_batch_slices_under_interpreter():
     run_interp_script("interp_batch_slices.py", expect="OK")
+
+
+def test_forwards_without_gradients_take_the_inference_chunk_under_interpreter():
+    run_interp_script("interp_chunk_routing.py", expect="OK")
