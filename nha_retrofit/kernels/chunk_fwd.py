@@ -598,6 +598,9 @@ CONFIG = {
     # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
     # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
+    "slot_bwd_keys_merged": False,  # True: its keys and keys_da kernels as one (`_keys_merged_kernel`: each row
+    # block's weights and rows loaded once for dk, dv and UV; needs D == DV, all D columns and all M slots in one
+    # program, else the two kernels run)
     "keys_da_rows_block": False,  # True: keys_da takes the rows kernel's blocks and warps (its UV and the rows
     # kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their rounding alike: fp32 error
     # 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
@@ -669,6 +672,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
     "keys_da_rows_block": dict(keys_da_rows_block=True),
+    "keys_merged": dict(slot_bwd_keys_merged=True),
+    "keys_merged_8warps": dict(slot_bwd_keys_merged=True, slot_bwd_columns=(128, 8)),
 }
 
 

@@ -338,19 +338,27 @@ def _da_side(Y, yrow, X, xrow, WST, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0
              a_ref, factored, direct, T, W, DX: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
              CQB: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
     """A query block's share of one side of UV (q with the chunk's k and Wk, or dO with v and Wv), [CS, BM]:
-    sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j), from xy = X Y^T [CS, rows] (formed in
-    BD-column passes, causal, transposed: no fp32 transpose for the product) and the rows' weights w [rows, BM].
-    The keys_da kernel runs the two sides one after the other, so only one [CS, rows] product and one weight
-    tile are live at a time."""
+    `_da_weights` of xy = X Y^T [CS, rows] (formed in BD-column passes, transposed: no fp32 transpose for the
+    product) and the rows' weights. The keys_da kernel runs the two sides one after the other, so only one
+    [CS, rows] product and one weight tile are live at a time."""
     offs_c = tl.arange(0, BD)
-    offs_u = tl.arange(0, CSZ)
     xy = tl.zeros([CSZ, BR], dtype=tl.float32)
     for d0 in range(0, DX, BD):
         yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
         xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
-    xy = tl.where(tl.trans(causal), xy, 0.0)
     w = tl.load(WST + w_off, mask=tv[:, None], other=0.0)
+    return _da_weights(xy, w, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, a_in, a, a_ref, factored,
+                       direct, T, W, BM, CQB, CSZ, SPREC)
+
+
+@triton.jit
+def _da_weights(xy, w, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, a_in, a, a_ref, factored, direct, T,
+                W, BM: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr):
+    """sum over the block's rows u >= j of (Y_u . X_j) W_u exp(a_u - a_j), [CS, BM], from xy = X Y^T [CS, rows]
+    and the rows' weights w [rows, BM]."""
+    offs_u = tl.arange(0, CSZ)
+    xy = tl.where(tl.trans(causal), xy, 0.0)
     out = dot_f32(xy, w * tl.exp(a_in), SPREC) * tl.where(factored[:, None], tl.exp(a_ref[None, :] - a), 0.0)
     if direct:  # the block's own tokens
         cum = tl.zeros([BM], dtype=tl.float32)
@@ -578,6 +586,56 @@ def _keys_kernel(
         _store_tail_zeros(DV_, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
 
 
+@triton.jit
+def _keys_merged_kernel(
+    Q, K, V, DO, WK, WV, RK, RV, G, MASK, E, DK, DV_, DA, XA, TOT,
+    sq_b, sk_b, sv_b, sg_b, so_b,
+    T, W, NCH, L,
+    HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
+    CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
+    LIMIT: tl.constexpr,
+):
+    """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
+    (CONFIG["slot_bwd_keys_merged"]; values as wide as keys, BD = D columns, all M slots): each row block's weights
+    Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
+    sg_t, sg_h = H * M, M
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    offs_m = tl.arange(0, M)
+    state = (pid_bh.to(tl.int64) * NCH + c) * M * D + offs_m[:, None] * D + offs_c[None, :]
+    rk = tl.load(RK + state)
+    rv = tl.load(RV + state)
+    acc_k = dot_f32(to_end, rk, SPREC)
+    acc_v = dot_f32(to_end, rv, SPREC)
+    krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
+    vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
+    kc = tl.load(K + krow[:, None] + offs_c[None, :], mask=jr[:, None], other=0.0)
+    vc = tl.load(V + vrow[:, None] + offs_c[None, :], mask=jr[:, None], other=0.0)
+    uv = dot_xa(kc.to(tl.float32), tl.trans(rk), SPREC) + dot_xa(vc.to(tl.float32), tl.trans(rv), SPREC)
+    uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
+    r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
+    for blk in range(CSZ // CQB):
+        off = blk * CQB
+        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        t, tv, causal, kw, wk, wv, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored,
+                                                     cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, True, True)
+        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
+                                T, W, M, CQB, CSZ, SPREC, True, True)
+        qb = _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c)
+        acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), SPREC)
+        uv += _da_weights(tl.dot(kc, tl.trans(qb), input_precision=PREC), wk, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
+                          off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
+        dob = _load_rows(DO, b, t, hq, tv, so_b, so_t, D, offs_c)
+        acc_v += dot_xb(tl.trans(bv), dob.to(tl.float32), SPREC)
+        uv += _da_weights(tl.dot(vc, tl.trans(dob), input_precision=PREC), wv, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
+                          off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
+    _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
+    _store_tail_zeros(DK, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
+    _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
+    _store_tail_zeros(DV_, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
+    _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M, CSZ)
+
+
 def launch_shape():
     """(row-block tokens, warps) of the slot backward: CONFIG["slot_bwd_block"], CONFIG["slot_bwd_warps"]."""
     return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
@@ -645,19 +703,24 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     xa = alloc(B, H, L, M, dtype=f32, device=dev)
     totals = alloc(B, H, M, n, dtype=f32, device=dev)
     merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
-    sides = [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]
-    for do_k, do_v, dx in sides:
-        _keys_kernel[(n, B * H, dx // cols)](
-            p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *batch_strides(p, do), T, W, n,
-            D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
-        )
-        launched("slot bwd keys")
     bm = min(M, CONFIG.get("keys_da_slots") or M)
-    da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
-    _keys_da_kernel[(n, B * H, M // bm)](
-        p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *batch_strides(p, do), T, W, n, L,
-        D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
-    )
-    launched("slot bwd keys_da")
+    if merged and CONFIG["slot_bwd_keys_merged"] and cols == D and bm == M:  # and the keys_da kernel's work too
+        _keys_merged_kernel[(n, B * H)](
+            p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dA, xa, totals,
+            *batch_strides(p, do), T, W, n, L, D=D, PREC=p.prec, **keys_launch,
+        )
+        launched("slot bwd keys merged")
+    else:
+        for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:
+            _keys_kernel[(n, B * H, dx // cols)](
+                p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *batch_strides(p, do), T, W, n,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
+            )
+            launched("slot bwd keys")
+        da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
+        _keys_da_kernel[(n, B * H, M // bm)](
+            p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *batch_strides(p, do), T, W,
+            n, L, D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
+        )
+        launched("slot bwd keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa, totals), dbr.sum((0, 1)) if bias_grad else None
-
