@@ -192,6 +192,20 @@ def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a
 
 
 @triton.jit
+def _key_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ: tl.constexpr,
+               GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr,
+               LIMIT: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """A key-side program's query block at chunk offset off: `_block_split`, `_row_block` (WA if A, WB if B) and
+    their `_block_weights`; returns (t, tv, causal, a_ref, factored, direct, a_in, wa, wb, ba, bb)."""
+    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    t, tv, causal, kw, wa, wb, a_in = _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0,
+                                                 off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, A, B)
+    ba, bb = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, direct, T, W, M,
+                            CQB, CSZ, SPREC, A, B)
+    return t, tv, causal, a_ref, factored, direct, a_in, wa, wb, ba, bb
+
+
+@triton.jit
 def _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX: tl.constexpr, offs_c):
     """Y[b, t, hq, offs_c] of the block's rows (0 where a row is out)."""
     return tl.load(Y + (b * sy_b + t.to(tl.int64) * sy_t + hq * DX)[:, None] + offs_c[None, :], mask=tv[:, None],
@@ -568,12 +582,9 @@ def _keys_kernel(
         acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), SPREC)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
-        off = blk * CQB
-        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
-        t, tv, causal, kw, wk, wv, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored,
-                                                     cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, DO_K, DO_V)
-        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
-                                T, W, M, CQB, CSZ, SPREC, DO_K, DO_V)
+        t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
+            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
+            CSZ, SPREC, LIMIT, DO_K, DO_V)
         if DO_K:
             acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
@@ -616,11 +627,9 @@ def _keys_merged_kernel(
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
-        t, tv, causal, kw, wk, wv, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored,
-                                                     cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, True, True)
-        bk, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wv, direct,
-                                T, W, M, CQB, CSZ, SPREC, True, True)
+        t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
+            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
+            SPREC, LIMIT, True, True)
         qb = _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c)
         acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), SPREC)
         uv += _da_weights(tl.dot(kc, tl.trans(qb), input_precision=PREC), wk, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
