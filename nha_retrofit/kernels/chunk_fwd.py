@@ -531,7 +531,7 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
             out[:, :, :, 0] = s0
         flat = out.view(S * B * H, nch + 1, M, DX)
         segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
-                             x0=None if initial is None else s0.view(S * B * H, M, DX))
+                             x0=None if initial is None else s0.view(S * B * H, M, DX), chained=CONFIG["scan_chained"])
         launched("segmented state_scan")
     else:
         _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), S * B * H)](
@@ -615,6 +615,8 @@ CONFIG = {
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
     "scan_segment": 16,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
+    "scan_chained": True,  # the two-level scans in one launch, each segment waiting for its predecessor's carry
+    # (`_chained_scan_kernel`: the states cross DRAM once each way instead of twice); False: scan + fixup launches
     "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
     # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
     "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
@@ -627,7 +629,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "merge_kv_states",
+    "scan_chained", "merge_kv_states",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -654,6 +656,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
     "scan_segment_32": dict(scan_segment=32),
+    "scan_two_launches": dict(scan_chained=False),
+    "scan_two_launches_32": dict(scan_chained=False, scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
     "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),

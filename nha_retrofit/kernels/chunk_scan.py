@@ -32,10 +32,9 @@ def naive_chunk_scan(b, dec, x0=None, reverse=False):
 
 
 @triton.jit
-def _tile(M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """The [BM, BD] tile of program axis 0: slot offsets, column mask and element offsets in an [M, DX] state."""
+def _tile(pid_t, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """The [BM, BD] tile number pid_t: slot offsets, column mask and element offsets in an [M, DX] state."""
     NDB: tl.constexpr = (DX + BD - 1) // BD
-    pid_t = tl.program_id(0)
     offs_m = (pid_t // NDB) * BM + tl.arange(0, BM)
     offs_d = (pid_t % NDB) * BD + tl.arange(0, BD)
     dmask = offs_d < DX
@@ -52,28 +51,35 @@ def _chunk(i, N, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
-                         M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
-                         REVERSE: tl.constexpr):
-    """Per (tile, batch x head, segment s): the scan of steps s*K .. s*K+K-1 from zero into OUT (chunk c of a
-    state array at row c + SHIFT of ROWS per head); the segment's end state into END[s] and its decay product
-    into DPROD[s]."""
-    offs_m, dmask, tile, first_tile = _tile(M, DX, BM, BD)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(2)
-    dec_bh = pid_bh % NBH
-    x = tl.zeros([BM, BD], dtype=tl.float32)
+def _scan_segment(BIN, DEC, OUT, x, s, N, K, bh, dec_bh, ROWS, SHIFT, offs_m, dmask, tile,
+                  M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, REVERSE: tl.constexpr, STORE: tl.constexpr):
+    """Steps s*K .. s*K+K-1 from x (chunk c of a state array at row c + SHIFT of ROWS per head): (x after them,
+    the product of their decays); with STORE the scan's states into OUT."""
     prod = tl.full([BM], 1.0, dtype=tl.float32)
     for i in range(s * K, tl.minimum(s * K + K, N)):
         c = _chunk(i, N, REVERSE)
-        row = (pid_bh * ROWS + c + SHIFT) * M * DX
-        if REVERSE:  # exclusive: the state after chunk c is what the later chunks sent back
+        row = (bh * ROWS + c + SHIFT) * M * DX
+        if STORE and REVERSE:  # exclusive: the state after chunk c is what the later chunks sent back
             tl.store(OUT + row + tile, x, mask=dmask[None, :])
         dec = tl.load(DEC + (dec_bh * N + c) * M + offs_m)
         x = dec[:, None] * x + tl.load(BIN + row + tile, mask=dmask[None, :], other=0.0)
         prod = prod * dec
-        if not REVERSE:
+        if STORE and not REVERSE:
             tl.store(OUT + row + tile, x, mask=dmask[None, :])
+    return x, prod
+
+
+@triton.jit
+def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
+                         M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
+                         REVERSE: tl.constexpr):
+    """Per (tile, batch x head, segment s): the scan of steps s*K .. s*K+K-1 from zero into OUT; the segment's end
+    state into END[s] and its decay product into DPROD[s]."""
+    offs_m, dmask, tile, first_tile = _tile(tl.program_id(0), M, DX, BM, BD)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    x, prod = _scan_segment(BIN, DEC, OUT, tl.zeros([BM, BD], dtype=tl.float32), s, N, K, pid_bh, pid_bh % NBH,
+                            ROWS, SHIFT, offs_m, dmask, tile, M, DX, BM, REVERSE, True)
     seg = pid_bh * NSEG + s
     tl.store(END + seg * M * DX + tile, x, mask=dmask[None, :])
     if first_tile:
@@ -87,7 +93,7 @@ def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
     """Per (tile, batch x head, segment s): the carry into segment s (x0 through the earlier segments' decay
     products and end states), added to each of its chunks decayed by the products of the steps before. Without
     x0, segment 0 has no carry and is not launched."""
-    offs_m, dmask, tile, first_tile = _tile(M, DX, BM, BD)
+    offs_m, dmask, tile, first_tile = _tile(tl.program_id(0), M, DX, BM, BD)
     pid_bh = tl.program_id(1).to(tl.int64)
     if HAS_X0:
         s = tl.program_id(2)
@@ -112,8 +118,51 @@ def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
             decay = decay * tl.load(DEC + (dec_bh * N + c) * M + offs_m)
 
 
-def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
-    """The scan of `naive_chunk_scan` in segments of `segment` chunks, into `out` (may be `bin_`: in place).
+@triton.jit
+def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, NBH, NCHAIN,
+                         M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
+                         REVERSE: tl.constexpr, HAS_X0: tl.constexpr):
+    """The scan in one launch: one program per (segment s of K steps, chain = tile x batch x head). It scans its
+    steps from zero (the segment's end state and decay product), waits for the carry out of segment s - 1
+    (CARRY, published by setting its flag), publishes its own carry out, then scans its steps again from the carry
+    and stores the states (the second pass re-reads its chunks from L2: the states go through DRAM once each way,
+    where the two-kernel form reads and writes them twice).
+
+    Programs take tickets (FLAGS[0]) in the order they start and ticket t is (segment t // NCHAIN, chain
+    t % NCHAIN), so a program only waits for one that started before it: no deadlock, however the hardware orders
+    the programs. The flags (FLAGS[1 + chain * NSEG + s]) and the ticket counter start at zero."""
+    ticket = tl.atomic_add(FLAGS, 1)
+    s = ticket // NCHAIN
+    chain = ticket % NCHAIN
+    NTILE: tl.constexpr = (M // BM) * ((DX + BD - 1) // BD)
+    offs_m, dmask, tile, unused = _tile(chain % NTILE, M, DX, BM, BD)
+    bh = (chain // NTILE).to(tl.int64)
+    local = tl.arange(0, BM)[:, None] * BD + tl.arange(0, BD)[None, :]  # a tile of CARRY
+    zero = tl.zeros([BM, BD], dtype=tl.float32)
+    end, prod = _scan_segment(BIN, DEC, OUT, zero, s, N, K, bh, bh % NBH, ROWS, SHIFT, offs_m, dmask, tile, M, DX,
+                              BM, REVERSE, False)
+    link = chain.to(tl.int64) * NSEG + s  # this segment's flag and carry out
+    if s == 0:
+        if HAS_X0:
+            carry = tl.load(X0 + bh * M * DX + tile, mask=dmask[None, :], other=0.0).to(tl.float32)
+        else:
+            carry = zero
+    else:
+        while tl.atomic_add(FLAGS + link, 0, sem="acquire") == 0:  # FLAGS + 1 + (link - 1)
+            pass
+        tl.debug_barrier()  # every thread's loads after the acquire
+        carry = tl.load(CARRY + (link - 1) * BM * BD + local, cache_modifier=".cg")
+    if s + 1 < NSEG:
+        tl.store(CARRY + link * BM * BD + local, prod[:, None] * carry + end)
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_xchg(FLAGS + 1 + link, 1, sem="release")
+    _scan_segment(BIN, DEC, OUT, carry, s, N, K, bh, bh % NBH, ROWS, SHIFT, offs_m, dmask, tile, M, DX, BM, REVERSE,
+                  True)
+
+
+def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, chained=False):
+    """The scan of `naive_chunk_scan` in segments of `segment` chunks, into `out` (may be `bin_`: in place): one
+    chained launch (`_chained_scan_kernel`), or a segment scan and a fixup launch.
 
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
@@ -122,13 +171,20 @@ def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
     nseg = triton.cdiv(n, segment)
+    ntile = (M // BM) * triton.cdiv(X, BD)
+    has_x0 = x0 is not None
+    meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
+    if chained:
+        nchain = ntile * BH
+        flags = torch.zeros(1 + nchain * nseg, dtype=torch.int32, device=out.device)
+        carry = torch.empty(nchain, nseg, BM, BD, dtype=torch.float32, device=out.device)
+        _chained_scan_kernel[(nchain * nseg,)](bin_, dec, out, x0 if has_x0 else out, carry, flags, n, nseg, rows,
+                                               rows - n, nbh, nchain, HAS_X0=has_x0, **meta)
+        return out
     end = torch.empty(BH, nseg, M, X, dtype=torch.float32, device=out.device)
     dprod = torch.empty(BH, nseg, M, dtype=torch.float32, device=out.device)
-    ntile = (M // BM) * triton.cdiv(X, BD)
     args = (dec, out, end, dprod, n, nseg, rows, rows - n, nbh)
-    meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
     _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, **meta)
-    has_x0 = x0 is not None
     if nseg > 1 or has_x0:
         _segment_fixup_kernel[(ntile, BH, nseg - 1 + has_x0)](x0 if has_x0 else out, *args, HAS_X0=has_x0, **meta)
     return out

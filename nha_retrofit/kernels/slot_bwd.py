@@ -88,7 +88,7 @@ def reverse_scan(cont, dec):
     if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
         flat = (rows, n, M, X)
         segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
-                             scan_tile(M, X, 16), reverse=True)
+                             scan_tile(M, X, 16), reverse=True, chained=CONFIG["scan_chained"])
         launched("segmented rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)

@@ -1,6 +1,8 @@
-"""The two-level chunk scans (`chunk_scan.py`) under the Triton CPU interpreter and its out-of-bounds checker,
-against `naive_chunk_scan` and against the one-pass scan kernels they replace (`slot_states`, `reverse_scan`),
-each for one state array and for two sharing their decays (the key and the value states in one launch).
+"""The two-level chunk scans (`chunk_scan.py`: chained in one launch, and as scan + fixup launches) under the Triton
+CPU interpreter and its out-of-bounds checker, against `naive_chunk_scan` and against the one-pass scan kernels they
+replace (`slot_states`, `reverse_scan`), each for one state array and for two sharing their decays (the key and the
+value states in one launch). (The interpreter runs one program at a time, in ticket order: the chained form's
+waiting is exercised on the GPU only.)
 
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks; a state tile
 narrower than the state (columns not a multiple of the tile: masked) and several slot blocks; forward scans in
@@ -9,6 +11,7 @@ place from zero and from a carried state, reverse scans. Every output element is
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_chunk_scan.py   (prints OK and exits 0)
 """
 
+import itertools
 import os
 import sys
 
@@ -40,14 +43,18 @@ def main():
         dec = torch.rand(BH, n, M, generator=gen) * 0.9 + 0.05
         b = torch.randn(BH, n, M, X, generator=gen)
         x0 = torch.randn(BH, M, X, generator=gen)
-        for segment in (1, 2, 5, 64):
+        for segment, chained in itertools.product((1, 2, 5, 64), (False, True)):
             with bounds_checked():
                 state = torch.cat([torch.full((BH, 1, M, X), float("nan")), b], 1)  # chunk c at row c + 1
-                segmented_chunk_scan(state, dec, state, segment, (8, 32), x0=x0)
+                segmented_chunk_scan(state, dec, state, segment, (8, 32), x0=x0, chained=chained)
                 back = torch.full_like(b, float("nan"))
-                segmented_chunk_scan(b, dec, back, segment, (8, 32), reverse=True)
-            check(f"forward n={n} K={segment}", state[:, 1:], naive_chunk_scan(b, dec, x0))
-            check(f"reverse n={n} K={segment}", back, naive_chunk_scan(b, dec, reverse=True))
+                segmented_chunk_scan(b, dec, back, segment, (8, 32), reverse=True, chained=chained)
+                start = torch.full_like(b, float("nan"))  # from zero, not in place
+                segmented_chunk_scan(b, dec, start, segment, (8, 32), chained=chained)
+            label = f"n={n} K={segment}{' chained' if chained else ''}"
+            check(f"forward {label}", state[:, 1:], naive_chunk_scan(b, dec, x0))
+            check(f"reverse {label}", back, naive_chunk_scan(b, dec, reverse=True))
+            check(f"forward from zero {label}", start, naive_chunk_scan(b, dec))
 
     # the wiring in slot_states / reverse_scan against the one-pass kernels (scan_segment None), for one input and
     # for two in one launch set (each half against the single-input result)
@@ -61,8 +68,8 @@ def main():
     cont = torch.randn(2, B, H, nch, M, D, generator=gen)
     dec = torch.rand(B, H, nch, M, generator=gen)
     want = {}
-    for segment in (None, 1, 2, 3):
-        chunk_fwd.CONFIG["scan_segment"] = segment
+    for segment, chained in ((None, False), (1, False), (2, True), (3, False), (3, True)):
+        chunk_fwd.CONFIG["scan_segment"], chunk_fwd.CONFIG["scan_chained"] = segment, chained
         with bounds_checked():
             got, pairs = {}, {}
             for s in (0, 1):
@@ -74,12 +81,12 @@ def main():
             pairs["slot_states from a state"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, initial)
             pairs["reverse_scan"] = slot_bwd.reverse_scan(cont, dec)
         for (what, s), single in got.items():
-            check(f"two at once: {what} [{s}] K={segment}", pairs[what][s], single, tol=1e-6)
+            check(f"two at once: {what} [{s}] K={segment} chained={chained}", pairs[what][s], single, tol=1e-6)
         if segment is None:
             want = got
             continue
         for key in got:
-            check(f"{key[0]} [{key[1]}] K={segment}", got[key], want[key])
+            check(f"{key[0]} [{key[1]}] K={segment} chained={chained}", got[key], want[key])
     print("OK")
 
 
