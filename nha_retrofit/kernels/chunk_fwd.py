@@ -8,7 +8,7 @@ j = u' - W, the slot part is an inclusive gated-slot read over a "shifted" strea
 chunk states sit at stream positions c * CS, i.e. after absorbing tokens j < c * CS - W.
 
 1. `kv_states`: `_chunk_update_kernel` (every chunk in parallel: its own update, only exp(a_last - a_j) <= 1
-   factors, safe for any gate) then a scan over chunks (`chunk_scan.py`'s two-level scan, or the one-pass
+   factors, safe for any gate) then a scan over chunks (`chunk_scan.py`'s chained scan, or the one-pass
    `_state_scan_kernel`): the fp32 slot states before each stream chunk of CS tokens, and the final state; the
    key and the value states in one set of launches with CONFIG["merge_kv_states"].
 2. `_fwd_kernel`: per (query block of `fwd_block(G)` tokens, batch, kv head), all G query heads of the kv head as rows
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_scan import segmented_chunk_scan
+from .chunk_scan import chained_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
@@ -526,13 +526,13 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     launched("chunk_update")
     s0 = initial.contiguous().float() if initial is not None else out
     BM, BDS = scan_tile(M, DX, 16)
-    if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
+    if CONFIG["scan_segment"]:  # chained segments (chunk_scan.py)
         if initial is not None:
             out[:, :, :, 0] = s0
         flat = out.view(S * B * H, nch + 1, M, DX)
-        segmented_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
-                             x0=None if initial is None else s0.view(S * B * H, M, DX), chained=CONFIG["scan_chained"])
-        launched("segmented state_scan")
+        chained_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
+                           x0=None if initial is None else s0.view(S * B * H, M, DX))
+        launched("chained state_scan")
     else:
         _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), S * B * H)](
             out, dec, s0, nch, B * H, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4,
@@ -613,10 +613,8 @@ CONFIG = {
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
     # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
-    "scan_segment": 16,  # chunks per segment of a two-level state scan / reverse scan (chunk_scan.py; None:
+    "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
-    "scan_chained": True,  # the two-level scans in one launch, each segment waiting for its predecessor's carry
-    # (`_chained_scan_kernel`: the states cross DRAM once each way instead of twice); False: scan + fixup launches
     "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
     # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
     "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
@@ -629,7 +627,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_chained", "merge_kv_states",
+    "merge_kv_states",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -656,8 +654,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
     "scan_segment_32": dict(scan_segment=32),
-    "scan_two_launches": dict(scan_chained=False),
-    "scan_two_launches_32": dict(scan_chained=False, scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
     "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),

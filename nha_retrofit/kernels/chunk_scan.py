@@ -3,12 +3,13 @@
 The forward needs the state before every chunk (`slot_states`: inclusive, in place over the chunk updates); the
 slot backward needs the state gradient after every chunk (`reverse_scan`: exclusive, from the last chunk back).
 A scan over n chunks is a chain of n dependent steps (~0.45 us each on the H200: 0.23-0.76 ms at 32K, n = 512,
-however many programs run). With `segment` = K the chain is cut into segments of K chunks: each segment scans
-from zero in parallel (`_segment_scan_kernel`), then each segment adds the carry from the segments before it,
-decayed to each of its chunks (`_segment_fixup_kernel`): about K + n / K dependent steps instead of n, for
-twice the memory traffic. `naive_chunk_scan` is the plain PyTorch definition both forms are tested against.
-Several state arrays that share their decays (the key and the value states) scan in one launch: program axis 1
-runs over all their rows, row r taking the decays of row r % NBH.
+however many programs run). `chained_chunk_scan` cuts the chain into segments of K chunks, scanned in parallel
+from zero; only the segments' carries pass from one to the next (about K + n / K dependent steps), in one launch:
+each segment's program waits for its predecessor's carry, then scans its chunks again from it (from L2), so the
+states cross DRAM once each way. (Its first form, a segment scan launch and a fixup launch, moved them twice and
+cost ~0.45 ms more per 32K training step: NOTES.md, session 14.) `naive_chunk_scan` is the plain PyTorch
+definition it is tested against. Several state arrays that share their decays (the key and the value states) scan
+in one launch: state row r takes the decays of row r % NBH.
 """
 
 import torch
@@ -33,12 +34,12 @@ def naive_chunk_scan(b, dec, x0=None, reverse=False):
 
 @triton.jit
 def _tile(pid_t, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """The [BM, BD] tile number pid_t: slot offsets, column mask and element offsets in an [M, DX] state."""
+    """The [BM, BD] tile number pid_t of an [M, DX] state: slot offsets, column mask and element offsets."""
     NDB: tl.constexpr = (DX + BD - 1) // BD
     offs_m = (pid_t // NDB) * BM + tl.arange(0, BM)
     offs_d = (pid_t % NDB) * BD + tl.arange(0, BD)
     dmask = offs_d < DX
-    return offs_m, dmask, offs_m[:, None] * DX + offs_d[None, :], pid_t % NDB == 0
+    return offs_m, dmask, offs_m[:, None] * DX + offs_d[None, :]
 
 
 @triton.jit
@@ -70,55 +71,6 @@ def _scan_segment(BIN, DEC, OUT, x, s, N, K, bh, dec_bh, ROWS, SHIFT, offs_m, dm
 
 
 @triton.jit
-def _segment_scan_kernel(BIN, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
-                         M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
-                         REVERSE: tl.constexpr):
-    """Per (tile, batch x head, segment s): the scan of steps s*K .. s*K+K-1 from zero into OUT; the segment's end
-    state into END[s] and its decay product into DPROD[s]."""
-    offs_m, dmask, tile, first_tile = _tile(tl.program_id(0), M, DX, BM, BD)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(2)
-    x, prod = _scan_segment(BIN, DEC, OUT, tl.zeros([BM, BD], dtype=tl.float32), s, N, K, pid_bh, pid_bh % NBH,
-                            ROWS, SHIFT, offs_m, dmask, tile, M, DX, BM, REVERSE, True)
-    seg = pid_bh * NSEG + s
-    tl.store(END + seg * M * DX + tile, x, mask=dmask[None, :])
-    if first_tile:
-        tl.store(DPROD + seg * M + offs_m, prod)
-
-
-@triton.jit
-def _segment_fixup_kernel(X0, DEC, OUT, END, DPROD, N, NSEG, ROWS, SHIFT, NBH,
-                          M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
-                          REVERSE: tl.constexpr, HAS_X0: tl.constexpr):
-    """Per (tile, batch x head, segment s): the carry into segment s (x0 through the earlier segments' decay
-    products and end states), added to each of its chunks decayed by the products of the steps before. Without
-    x0, segment 0 has no carry and is not launched."""
-    offs_m, dmask, tile, first_tile = _tile(tl.program_id(0), M, DX, BM, BD)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    if HAS_X0:
-        s = tl.program_id(2)
-        carry = tl.load(X0 + pid_bh * M * DX + tile, mask=dmask[None, :], other=0.0).to(tl.float32)
-    else:
-        s = tl.program_id(2) + 1
-        carry = tl.zeros([BM, BD], dtype=tl.float32)
-    for p in range(0, s):
-        seg = pid_bh * NSEG + p
-        dprod = tl.load(DPROD + seg * M + offs_m)
-        carry = dprod[:, None] * carry + tl.load(END + seg * M * DX + tile, mask=dmask[None, :], other=0.0)
-    dec_bh = pid_bh % NBH
-    decay = tl.full([BM], 1.0, dtype=tl.float32)
-    for i in range(s * K, tl.minimum(s * K + K, N)):
-        c = _chunk(i, N, REVERSE)
-        row = (pid_bh * ROWS + c + SHIFT) * M * DX
-        if not REVERSE:
-            decay = decay * tl.load(DEC + (dec_bh * N + c) * M + offs_m)
-        out = tl.load(OUT + row + tile, mask=dmask[None, :], other=0.0)
-        tl.store(OUT + row + tile, out + decay[:, None] * carry, mask=dmask[None, :])
-        if REVERSE:
-            decay = decay * tl.load(DEC + (dec_bh * N + c) * M + offs_m)
-
-
-@triton.jit
 def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, NBH, NCHAIN,
                          M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
                          REVERSE: tl.constexpr, HAS_X0: tl.constexpr):
@@ -126,7 +78,7 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
     steps from zero (the segment's end state and decay product), waits for the carry out of segment s - 1
     (CARRY, published by setting its flag), publishes its own carry out, then scans its steps again from the carry
     and stores the states (the second pass re-reads its chunks from L2: the states go through DRAM once each way,
-    where the two-kernel form reads and writes them twice).
+    where a scan launch and a fixup launch read and write them twice).
 
     Programs take tickets (FLAGS[0]) in the order they start and ticket t is (segment t // NCHAIN, chain
     t % NCHAIN), so a program only waits for one that started before it: no deadlock, however the hardware orders
@@ -135,7 +87,7 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
     s = ticket // NCHAIN
     chain = ticket % NCHAIN
     NTILE: tl.constexpr = (M // BM) * ((DX + BD - 1) // BD)
-    offs_m, dmask, tile, unused = _tile(chain % NTILE, M, DX, BM, BD)
+    offs_m, dmask, tile = _tile(chain % NTILE, M, DX, BM, BD)
     bh = (chain // NTILE).to(tl.int64)
     local = tl.arange(0, BM)[:, None] * BD + tl.arange(0, BD)[None, :]  # a tile of CARRY
     zero = tl.zeros([BM, BD], dtype=tl.float32)
@@ -160,9 +112,9 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
                   True)
 
 
-def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, chained=False):
-    """The scan of `naive_chunk_scan` in segments of `segment` chunks, into `out` (may be `bin_`: in place): one
-    chained launch (`_chained_scan_kernel`), or a segment scan and a fixup launch.
+def chained_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
+    """The scan of `naive_chunk_scan` in one launch of chained segments of `segment` chunks, into `out` (may be
+    `bin_`: in place).
 
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
@@ -171,20 +123,10 @@ def segmented_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, 
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
     nseg = triton.cdiv(n, segment)
-    ntile = (M // BM) * triton.cdiv(X, BD)
-    has_x0 = x0 is not None
-    meta = dict(M=M, DX=X, BM=BM, BD=BD, K=segment, REVERSE=reverse, num_warps=4)
-    if chained:
-        nchain = ntile * BH
-        flags = torch.zeros(1 + nchain * nseg, dtype=torch.int32, device=out.device)
-        carry = torch.empty(nchain, nseg, BM, BD, dtype=torch.float32, device=out.device)
-        _chained_scan_kernel[(nchain * nseg,)](bin_, dec, out, x0 if has_x0 else out, carry, flags, n, nseg, rows,
-                                               rows - n, nbh, nchain, HAS_X0=has_x0, **meta)
-        return out
-    end = torch.empty(BH, nseg, M, X, dtype=torch.float32, device=out.device)
-    dprod = torch.empty(BH, nseg, M, dtype=torch.float32, device=out.device)
-    args = (dec, out, end, dprod, n, nseg, rows, rows - n, nbh)
-    _segment_scan_kernel[(ntile, BH, nseg)](bin_, *args, **meta)
-    if nseg > 1 or has_x0:
-        _segment_fixup_kernel[(ntile, BH, nseg - 1 + has_x0)](x0 if has_x0 else out, *args, HAS_X0=has_x0, **meta)
+    nchain = (M // BM) * triton.cdiv(X, BD) * BH
+    flags = torch.zeros(1 + nchain * nseg, dtype=torch.int32, device=out.device)
+    carry = torch.empty(nchain, nseg, BM, BD, dtype=torch.float32, device=out.device)
+    _chained_scan_kernel[(nchain * nseg,)](bin_, dec, out, out if x0 is None else x0, carry, flags, n, nseg, rows,
+                                           rows - n, nbh, nchain, M=M, DX=X, BM=BM, BD=BD, K=segment,
+                                           REVERSE=reverse, HAS_X0=x0 is not None, num_warps=4)
     return out

@@ -26,7 +26,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
-                CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, END=F32, DPROD=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
+                CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
                 TOT=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
@@ -69,9 +69,7 @@ def cases(HQ, H, D, M):
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
-    out += [("segment scan", chunk_scan._segment_scan_kernel, seg, 4, 2),
-            ("segment fixup", chunk_scan._segment_fixup_kernel, dict(seg, HAS_X0=True), 4, 2),
-            ("chained scan", chunk_scan._chained_scan_kernel, dict(seg, HAS_X0=True), 4, 2),
+    out += [("chained scan", chunk_scan._chained_scan_kernel, dict(seg, HAS_X0=True), 4, 2),
             ("chained reverse scan", chunk_scan._chained_scan_kernel, dict(seg, REVERSE=True, HAS_X0=False), 4, 2)]
     auto = cf.fwd_block(G, cs)
     stages = cf.CONFIG["num_stages"]

@@ -21,7 +21,7 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
 - `_state_grad_kernel`, per (stream chunk, kv head, BD columns of the key side, then of the value side:
   both in one launch when they share a shape): the chunk's contribution to the gradient w.r.t. the state before
   it, (Wk exp(a_u))^T q and (Wv exp(a_u))^T dO, over its row blocks.
-- `reverse_scan` (`_rev_scan_kernel` or the two-level scan of `chunk_scan.py`): the state gradients after each
+- `reverse_scan` (`_rev_scan_kernel` or the chained scan of `chunk_scan.py`): the state gradients after each
   chunk (for the keys and the values in one launch set with CONFIG["merge_kv_states"]).
 - `_keys_kernel`, per (chunk, kv head, BD columns): dk and dv = to_end R + sum over the chunk's query blocks of
   (slot-weighted W, causal)^T Y, both in one pass; it also zeroes its share of the last W tokens' rows.
@@ -46,7 +46,7 @@ import triton.language as tl
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
                         _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc, batch_strides,
                         kv_states, launched, scan_tile)
-from .chunk_scan import segmented_chunk_scan
+from .chunk_scan import chained_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D
@@ -85,11 +85,11 @@ def reverse_scan(cont, dec):
     rows = cont.numel() // (n * M * X)
     cont, dec = cont.contiguous(), dec.contiguous()
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
-    if CONFIG["scan_segment"]:  # two-level scan (chunk_scan.py)
+    if CONFIG["scan_segment"]:  # chained segments (chunk_scan.py)
         flat = (rows, n, M, X)
-        segmented_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
-                             scan_tile(M, X, 16), reverse=True, chained=CONFIG["scan_chained"])
-        launched("segmented rev_scan")
+        chained_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
+                           scan_tile(M, X, 16), reverse=True)
+        launched("chained rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)
     _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), rows)](cont, dec, out, n, B * H, M=M, DX=X, BM=BM, BD=BD,

@@ -1,8 +1,7 @@
-"""The two-level chunk scans (`chunk_scan.py`: chained in one launch, and as scan + fixup launches) under the Triton
-CPU interpreter and its out-of-bounds checker, against `naive_chunk_scan` and against the one-pass scan kernels they
-replace (`slot_states`, `reverse_scan`), each for one state array and for two sharing their decays (the key and the
-value states in one launch). (The interpreter runs one program at a time, in ticket order: the chained form's
-waiting is exercised on the GPU only.)
+"""The chained chunk scans (`chunk_scan.py`) under the Triton CPU interpreter and its out-of-bounds checker, against
+`naive_chunk_scan` and against the one-pass scan kernels (`slot_states`, `reverse_scan` with `scan_segment` None),
+each for one state array and for two sharing their decays (the key and the value states in one launch). (The
+interpreter runs one program at a time, in ticket order: the waiting between segments runs on the GPU only.)
 
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks; a state tile
 narrower than the state (columns not a multiple of the tile: masked) and several slot blocks; forward scans in
@@ -11,7 +10,6 @@ place from zero and from a carried state, reverse scans. Every output element is
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_chunk_scan.py   (prints OK and exits 0)
 """
 
-import itertools
 import os
 import sys
 
@@ -32,7 +30,7 @@ def check(name, got, want, tol=1e-5):
 
 def main():
     from nha_retrofit.kernels import chunk_fwd, slot_bwd
-    from nha_retrofit.kernels.chunk_scan import naive_chunk_scan, segmented_chunk_scan
+    from nha_retrofit.kernels.chunk_scan import naive_chunk_scan, chained_chunk_scan
 
     chunk_fwd.POISON = True
     seed = int.from_bytes(os.urandom(4), "little")
@@ -43,15 +41,15 @@ def main():
         dec = torch.rand(BH, n, M, generator=gen) * 0.9 + 0.05
         b = torch.randn(BH, n, M, X, generator=gen)
         x0 = torch.randn(BH, M, X, generator=gen)
-        for segment, chained in itertools.product((1, 2, 5, 64), (False, True)):
+        for segment in (1, 2, 5, 64):
             with bounds_checked():
                 state = torch.cat([torch.full((BH, 1, M, X), float("nan")), b], 1)  # chunk c at row c + 1
-                segmented_chunk_scan(state, dec, state, segment, (8, 32), x0=x0, chained=chained)
+                chained_chunk_scan(state, dec, state, segment, (8, 32), x0=x0)
                 back = torch.full_like(b, float("nan"))
-                segmented_chunk_scan(b, dec, back, segment, (8, 32), reverse=True, chained=chained)
+                chained_chunk_scan(b, dec, back, segment, (8, 32), reverse=True)
                 start = torch.full_like(b, float("nan"))  # from zero, not in place
-                segmented_chunk_scan(b, dec, start, segment, (8, 32), chained=chained)
-            label = f"n={n} K={segment}{' chained' if chained else ''}"
+                chained_chunk_scan(b, dec, start, segment, (8, 32))
+            label = f"n={n} K={segment}"
             check(f"forward {label}", state[:, 1:], naive_chunk_scan(b, dec, x0))
             check(f"reverse {label}", back, naive_chunk_scan(b, dec, reverse=True))
             check(f"forward from zero {label}", start, naive_chunk_scan(b, dec))
@@ -68,8 +66,8 @@ def main():
     cont = torch.randn(2, B, H, nch, M, D, generator=gen)
     dec = torch.rand(B, H, nch, M, generator=gen)
     want = {}
-    for segment, chained in ((None, False), (1, False), (2, True), (3, False), (3, True)):
-        chunk_fwd.CONFIG["scan_segment"], chunk_fwd.CONFIG["scan_chained"] = segment, chained
+    for segment in (None, 1, 2, 3):
+        chunk_fwd.CONFIG["scan_segment"] = segment
         with bounds_checked():
             got, pairs = {}, {}
             for s in (0, 1):
@@ -81,12 +79,12 @@ def main():
             pairs["slot_states from a state"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, initial)
             pairs["reverse_scan"] = slot_bwd.reverse_scan(cont, dec)
         for (what, s), single in got.items():
-            check(f"two at once: {what} [{s}] K={segment} chained={chained}", pairs[what][s], single, tol=1e-6)
+            check(f"two at once: {what} [{s}] K={segment}", pairs[what][s], single, tol=1e-6)
         if segment is None:
             want = got
             continue
         for key in got:
-            check(f"{key[0]} [{key[1]}] K={segment} chained={chained}", got[key], want[key])
+            check(f"{key[0]} [{key[1]}] K={segment}", got[key], want[key])
     print("OK")
 
 
