@@ -598,9 +598,10 @@ CONFIG = {
     # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
     # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
-    "slot_bwd_keys_merged": False,  # True: its keys and keys_da kernels as one (`_keys_merged_kernel`: each row
-    # block's weights and rows loaded once for dk, dv and UV; needs D == DV, all D columns and all M slots in one
-    # program, else the two kernels run)
+    "slot_bwd_keys_merged_warps": 8,  # warps of `_keys_merged_kernel`, which does the keys and keys_da kernels'
+    # work in one program per chunk (each row block's weights and rows loaded once for dk, dv and UV): 0.15 ms less
+    # per 32K step than the two on the H200 (NOTES.md session 14); it needs D == DV, all D columns and all M slots in
+    # one program, else (or with None) the two kernels run
     "keys_da_rows_block": False,  # True: keys_da takes the rows kernel's blocks and warps (its UV and the rows
     # kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their rounding alike: fp32 error
     # 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
@@ -653,12 +654,13 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_tile_8x32": dict(scan_tile=(8, 32)),
     "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
+    "scan_segment_8": dict(scan_segment=8),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
     "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
-    "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8),
+    "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_keys_merged_warps=None),
     "slot_bwd_block8": dict(slot_bwd_block=8),
     "slot_bwd_block32": dict(slot_bwd_block=32),
     "slot_bwd_rows32_4warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=4),
@@ -670,10 +672,10 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_stages2": dict(slot_bwd_stages=2),
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
-    "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4)),
-    "keys_da_rows_block": dict(keys_da_rows_block=True),
-    "keys_merged": dict(slot_bwd_keys_merged=True),
-    "keys_merged_8warps": dict(slot_bwd_keys_merged=True, slot_bwd_columns=(128, 8)),
+    "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4), slot_bwd_keys_merged_warps=None),
+    "keys_da_rows_block": dict(keys_da_rows_block=True, slot_bwd_keys_merged_warps=None),
+    "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
+    "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
 }
 
 

@@ -137,7 +137,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, 1),
                 (f"slot bwd keys (dv only) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=False, DO_V=True), warps, 1),
-                # CONFIG["slot_bwd_keys_merged"]
+                # CONFIG["slot_bwd_keys_merged_warps"]
                 (f"slot bwd keys + keys_da merged {tag}", slot_bwd._keys_merged_kernel, dict(common, D=D, PREC="tf32"),
                  warps, 1)]
     return out

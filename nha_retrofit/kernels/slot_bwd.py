@@ -28,6 +28,9 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
 - `_keys_da_kernel`, per (chunk, kv head, slot block): d/dA = E - s (<dK~, k> + <dV~, v>), its chunk sum, and the
   alpha term; `_alpha_grad_kernel` finishes dlog_alpha (per chunk a reverse cumsum plus the later chunks' sum,
   shifted by the window, masked, transposed, zero on padding and on the last W tokens).
+- `_keys_merged_kernel` (the default where it applies: D == DV, all D columns and all M slots in one program):
+  the keys and keys_da kernels' work in one program per (chunk, kv head), each row block's weights and rows loaded
+  once for both.
 Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
@@ -607,7 +610,7 @@ def _keys_merged_kernel(
     LIMIT: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
-    (CONFIG["slot_bwd_keys_merged"]; values as wide as keys, BD = D columns, all M slots): each row block's weights
+    (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's weights
     Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
@@ -713,10 +716,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     totals = alloc(B, H, M, n, dtype=f32, device=dev)
     merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
     bm = min(M, CONFIG.get("keys_da_slots") or M)
-    if merged and CONFIG["slot_bwd_keys_merged"] and cols == D and bm == M:  # and the keys_da kernel's work too
+    merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
+    if merged and merged_warps and cols == D and bm == M:  # and the keys_da kernel's work too
         _keys_merged_kernel[(n, B * H)](
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dA, xa, totals,
-            *batch_strides(p, do), T, W, n, L, D=D, PREC=p.prec, **keys_launch,
+            *batch_strides(p, do), T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps),
         )
         launched("slot bwd keys merged")
     else:

@@ -41,9 +41,10 @@ CASES = [
     ("train_chunk64", (130, 8, 2, 64, 64, 20, 2, "float32", 2.0, "random", "left")),
     ("train_chunk64", (90, 3, 1, 64, 32, 5, 1, "bfloat16", 8.0, "real_like", "right")),
     ("keys_da_rows_block", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),
-    # the keys and keys_da kernels as one: D = 128 in one program, mixed blocks; bf16 under strong decay
-    ("keys_merged", (100, 8, 2, 128, 64, 40, 2, "float32", 2.0, "random", "left")),
-    ("keys_merged_8warps", (90, 3, 1, 64, 32, 5, 1, "bfloat16", 8.0, "real_like", "right")),
+    # the keys and keys_da kernels as one (the default since session 14): D = 128 in one program, mixed blocks;
+    # the two kernels they replace, bf16 under strong decay
+    ("defaults", (100, 8, 2, 128, 64, 40, 2, "float32", 2.0, "random", "left")),
+    ("keys_separate", (90, 3, 1, 64, 32, 5, 1, "bfloat16", 8.0, "real_like", "right")),
     ("defaults", (150, 6, 2, 64, 64, 20, 2, "float32", 1.0, "random", "left")),
     ("defaults", (90, 3, 1, 64, 32, 5, 1, "bfloat16", 8.0, "real_like", "right")),
     ("defaults", (90, 4, 2, 64, 32, 5, 2, "bfloat16", 2.0, "real_like", "right")),
