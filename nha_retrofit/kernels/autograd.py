@@ -26,6 +26,13 @@ def _part(x, rows):
     return None if x is None else x[rows]
 
 
+def _backward_can_run(*inputs):
+    """Whether a backward can follow: grad mode on and an input that requires a gradient. (Decided before the
+    autograd function runs: its forward runs with gradients off, and its needs_input_grad ignores the grad mode, so
+    a model's slot_bias parameter under torch.no_grad() would count there.)"""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+
+
 def _has_slots(prep, filled0_any=False):
     return prep.W < prep.T or filled0_any
 
@@ -79,10 +86,7 @@ def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_m
     if len(slices) > 1:  # beyond the kernels' int32 offsets (OFFSET_LIMIT): one call per batch slice
         return torch.cat([nha_attention(*(x[rows] for x in (q, k, v, q_rope, k_rope, log_alpha)), window, scale,
                                         _part(attention_mask, rows), slot_bias) for rows in slices])
-    # whether the backward can run: decided here, since the autograd function's forward runs with gradients off and
-    # its needs_input_grad ignores the grad mode (a model's slot_bias parameter under torch.no_grad() counts there)
-    training = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, q_rope, k_rope, log_alpha, slot_bias))
+    training = _backward_can_run(q, k, v, q_rope, k_rope, log_alpha, slot_bias)
     return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training)
 
 
@@ -155,9 +159,7 @@ def nha_chunked_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attent
         return torch.cat([o for o, _ in parts]), NHAState.cat([s for _, s in parts]) if output_final_state else None
     if initial_state is None and not output_final_state:
         return nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias), None
-    if initial_state is None and torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, q_rope, k_rope, log_alpha, slot_bias)
-    ):
+    if initial_state is None and _backward_can_run(q, k, v, q_rope, k_rope, log_alpha, slot_bias):
         o = nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias)
         _, state = _forward_with_state(q.detach(), k.detach(), v.detach(), q_rope.detach(), k_rope.detach(),
                                        log_alpha.detach(), window, scale, attention_mask,

@@ -602,9 +602,9 @@ CONFIG = {
     # work in one program per chunk (each row block's weights and rows loaded once for dk, dv and UV): 0.15 ms less
     # per 32K step than the two on the H200 (NOTES.md session 14); it needs D == DV, all D columns and all M slots in
     # one program, else (or with None) the two kernels run
-    "keys_da_rows_block": False,  # True: keys_da takes the rows kernel's blocks and warps (its UV and the rows
-    # kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their rounding alike: fp32 error
-    # 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
+    "keys_da_rows_block": False,  # True: a keys_da kernel (so not the merged one) takes the rows kernel's blocks and
+    # warps (its UV and the rows kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their
+    # rounding alike: fp32 error 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
     "window_bwd_block": 32,  # query tokens per block of the window backward's dq and delta kernels (None:
@@ -673,7 +673,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4), slot_bwd_keys_merged_warps=None),
-    "keys_da_rows_block": dict(keys_da_rows_block=True, slot_bwd_keys_merged_warps=None),
+    "keys_da_rows_block": dict(keys_da_rows_block=True),
     "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
     "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
 }

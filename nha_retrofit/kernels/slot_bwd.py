@@ -610,8 +610,8 @@ def _keys_merged_kernel(
     LIMIT: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
-    (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's weights
-    Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both."""
+    (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
+    weights Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
@@ -679,6 +679,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     E = alloc(B, H, L, M, dtype=f32, device=dev)
     wk = alloc(B, T, HQ, M, dtype=f32, device=dev)
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
+    strides = batch_strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
@@ -691,7 +692,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbr, E, wk, wv, *batch_strides(p, do), T, W, n, L, float(scale), D=D, DV=DV,
+        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     launched("slot bwd rows")
@@ -717,22 +718,23 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
     bm = min(M, CONFIG.get("keys_da_slots") or M)
     merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
-    if merged and merged_warps and cols == D and bm == M:  # and the keys_da kernel's work too
+    # and the keys_da kernel's work too (not when keys_da should take the rows kernel's blocks)
+    if merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]:
         _keys_merged_kernel[(n, B * H)](
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dA, xa, totals,
-            *batch_strides(p, do), T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps),
+            *strides, T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps),
         )
         launched("slot bwd keys merged")
     else:
         for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:
             _keys_kernel[(n, B * H, dx // cols)](
-                p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *batch_strides(p, do), T, W, n,
+                p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *strides, T, W, n,
                 D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
             )
             launched("slot bwd keys")
         da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
         _keys_da_kernel[(n, B * H, M // bm)](
-            p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *batch_strides(p, do), T, W,
+            p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *strides, T, W,
             n, L, D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
         )
         launched("slot bwd keys_da")
