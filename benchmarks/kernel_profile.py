@@ -12,6 +12,7 @@ Nsight Compute captures each kernel launch once:
 (no synchronization inside; valid while the GPU keeps up, i.e. at short T) against the GPU's milliseconds per
 step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd) and each
 Triton kernel's launch time.
+`--forward-only`: the steps are inference forwards (no gradients: CONFIG["chunk"], no states kept).
 `--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 
@@ -49,28 +50,27 @@ def host_profile(step, n, label):
 
 
 def launch_costs(step, n):
-    """Host time of each Triton kernel's launches per step (Triton's `JITFunction.run` wrapped with a timer; its
-    cost grows with the number of arguments it specializes)."""
+    """Host time of each Triton kernel's launches per step (`fast_launch.launch`, which every launch goes through,
+    wrapped with a timer; Triton's own path costs more the more arguments it specializes)."""
     import collections
     import time
 
-    from triton.runtime.jit import JITFunction
+    from nha_retrofit.kernels import fast_launch
 
     times = collections.defaultdict(list)
-    run = JITFunction.run
+    launch = fast_launch.launch
 
-    def timed(self, *args, **kwargs):
+    def timed(kernel, *args, **kwargs):
         start = time.perf_counter()
-        out = run(self, *args, **kwargs)
-        times[self.fn.__name__].append(time.perf_counter() - start)
-        return out
+        launch(kernel, *args, **kwargs)
+        times[kernel.fn.__name__].append(time.perf_counter() - start)
 
-    JITFunction.run = timed
+    fast_launch.launch = timed
     try:
         for _ in range(n):
             step()
     finally:
-        JITFunction.run = run
+        fast_launch.launch = launch
     torch.cuda.synchronize()
     for name, ts in sorted(times.items(), key=lambda item: -sum(item[1])):
         print(f"launch {name:24s} {len(ts) // n} per step, median {sorted(ts)[len(ts) // 2] * 1e6:6.1f} us, "
@@ -85,6 +85,7 @@ def main():
     ap.add_argument("--config", default="{}")
     ap.add_argument("--kernel-times", type=int, default=0, metavar="N")
     ap.add_argument("--host", type=int, default=0, metavar="N")
+    ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
     chunk_fwd.CONFIG.update(json.loads(args.config))
     x = nha_inputs(args.T, True)
@@ -92,6 +93,10 @@ def main():
     do = torch.randn(1, args.T, HQ, D, device="cuda", dtype=torch.bfloat16)
 
     def step():
+        if args.forward_only:
+            with torch.no_grad():
+                nha_attention(*leaves[:6], args.window, D**-0.5, None, leaves[6])
+            return
         o = nha_attention(*leaves[:6], args.window, D**-0.5, None, leaves[6])
         torch.autograd.grad(o, leaves, do)
 
@@ -107,7 +112,8 @@ def main():
             for _ in range(args.kernel_times):
                 step()
             torch.cuda.synchronize()
-        print(f"# T={args.T}, w={args.window}: {args.kernel_times} forward + backward steps (totals)")
+        kind = "inference forward" if args.forward_only else "forward + backward"
+        print(f"# T={args.T}, w={args.window}: {args.kernel_times} {kind} steps (totals)")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
         return
     torch.cuda.profiler.start()

@@ -35,10 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_launch
 from .chunk_scan import chained_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
+
+
+def launch(name, kernel, grid, *args, fast=True, **kwargs):
+    """kernel[grid](*args, **kwargs), by `fast_launch` unless `fast` or CONFIG["fast_launch"] is off, then
+    `launched(name)`."""
+    fast_launch.launch(kernel, grid, *args, fast=fast and CONFIG["fast_launch"], **kwargs)
+    launched(name)
 
 
 def launched(name):
@@ -517,13 +525,13 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
     BD = min(64, triton.next_power_of_2(DX))
-    _chunk_update_kernel[(nch, B * H, S * triton.cdiv(DX, BD))](
+    launch(
+        "chunk_update", _chunk_update_kernel, (nch, B * H, S * triton.cdiv(DX, BD)),
         x, xs[-1], log_alpha, mask, out, dec, x.stride(0), log_alpha.stride(0),
         T, W, nch, H=H, M=M, DX=DX, CSZ=chunk or CONFIG["chunk"], BD=BD, PREC=slot_precision(x.dtype),
         ZERO_FIRST=initial is None,
         num_warps=4,
     )
-    launched("chunk_update")
     s0 = initial.contiguous().float() if initial is not None else out
     BM, BDS = scan_tile(M, DX, 16)
     if CONFIG["scan_segment"]:  # chained segments (chunk_scan.py)
@@ -531,14 +539,14 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
             out[:, :, :, 0] = s0
         flat = out.view(S * B * H, nch + 1, M, DX)
         chained_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
-                           x0=None if initial is None else s0.view(S * B * H, M, DX))
+                           x0=None if initial is None else s0.view(S * B * H, M, DX), fast=CONFIG["fast_launch"])
         launched("chained state_scan")
     else:
-        _state_scan_kernel[((M // BM) * triton.cdiv(DX, BDS), S * B * H)](
+        launch(
+            "state_scan", _state_scan_kernel, ((M // BM) * triton.cdiv(DX, BDS), S * B * H),
             out, dec, s0, nch, B * H, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4,
             num_stages=3,
         )
-        launched("state_scan")
     return (out, dec) if return_decay else out
 
 
@@ -621,6 +629,8 @@ CONFIG = {
     "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
     # less per 32K step on the H200 (NOTES.md session 11) for 2 x [B, H, T/64 + 1, M, D] fp32 kept per layer, as
     # much memory as q (under gradient checkpointing only the layer being recomputed holds them); False recomputes
+    "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
+    # time per launch in Triton 3.6)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
     # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
 }
@@ -635,7 +645,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "defaults": {},
     "values_tf32": dict(value_precision="tf32"),
     "fwd_tf32": dict(slot_precision="tf32"),
-    "bwd_tf32": dict(slot_bwd_precision="tf32"),
+    "bwd_tf32": dict(slot_bwd_precision="tf32"),  # timing only: fails the log_alpha bound (NOTES.md, session 13)
     "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
     "fwd_tf32x3": dict(slot_precision="tf32x3"),
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
@@ -676,6 +686,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_rows_block": dict(keys_da_rows_block=True),
     "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
     "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
+    "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }
 
 
@@ -726,7 +737,8 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     BN = 64 if BR <= 64 else 32
     grid = (triton.cdiv(T, cq), B * H)
     warps = fwd_warps(BR, max(D, DV))
-    _fwd_kernel[grid](
+    launch(
+        "fused forward", _fwd_kernel, grid,
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
         p.bias, sk, sv, o, lse, *batch_strides(p, o),
         T, p.W, p.nch, float(scale),
@@ -736,5 +748,4 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         SLOTS_FIRST=CONFIG["fwd_slots_first"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
-    launched("fused forward")
     return o, lse, ((sk, sv, dec) if has_slots else None)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_launch
+
 
 def naive_chunk_scan(b, dec, x0=None, reverse=False):
     """b [..., n, M, X], dec [..., n, M] -> [..., n, M, X]: forward (reverse=False) out[c] = x after step c
@@ -112,13 +114,13 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
                   True)
 
 
-def chained_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
+def chained_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, fast=True):
     """The scan of `naive_chunk_scan` in one launch of chained segments of `segment` chunks, into `out` (may be
     `bin_`: in place).
 
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
-    tile: the (slots, columns) of one program."""
+    tile: the (slots, columns) of one program; fast: launched by `fast_launch`."""
     nbh, n, M = dec.shape
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
@@ -126,7 +128,7 @@ def chained_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False):
     nchain = (M // BM) * triton.cdiv(X, BD) * BH
     flags = torch.zeros(1 + nchain * nseg, dtype=torch.int32, device=out.device)
     carry = torch.empty(nchain, nseg, BM, BD, dtype=torch.float32, device=out.device)
-    _chained_scan_kernel[(nchain * nseg,)](bin_, dec, out, out if x0 is None else x0, carry, flags, n, nseg, rows,
-                                           rows - n, nbh, nchain, M=M, DX=X, BM=BM, BD=BD, K=segment,
-                                           REVERSE=reverse, HAS_X0=x0 is not None, num_warps=4)
+    fast_launch.launch(_chained_scan_kernel, (nchain * nseg,), bin_, dec, out, out if x0 is None else x0, carry,
+                       flags, n, nseg, rows, rows - n, nbh, nchain, M=M, DX=X, BM=BM, BD=BD, K=segment,
+                       REVERSE=reverse, HAS_X0=x0 is not None, num_warps=4, fast=fast)
     return out

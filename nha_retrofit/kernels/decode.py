@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..modeling.nha_state import NHAState
-from .chunk_fwd import alloc, launched
+from .chunk_fwd import alloc, launch
 
 BLOCK = 64  # window entries per program: a long window is read by many programs at once, then merged
 
@@ -227,7 +227,8 @@ def nha_recurrent_step_triton(
     else:
         part_acc = torch.empty(batch * kv_heads * blocks * rows * value_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch * kv_heads * blocks * 2 * rows, dtype=torch.float32, device=q.device)
-    _decode_kernel[(batch * kv_heads, blocks)](
+    launch(
+        "decode", _decode_kernel, (batch * kv_heads, blocks),
         q.contiguous(), q_rope.contiguous(), k.contiguous(), k_rope.contiguous(), v.contiguous(),
         log_alpha.contiguous(), *mask_args,
         state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha,
@@ -239,8 +240,8 @@ def nha_recurrent_step_triton(
         HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=rows, BN=BLOCK,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
+        fast=False,  # the mask's stride grows every step: Triton's own path (fast_launch keys scalars by value)
     )
-    launched("decode")
     return out, state
 
 

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
                         _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc, batch_strides,
-                        kv_states, launched, scan_tile)
+                        kv_states, launch, launched, scan_tile)
 from .chunk_scan import chained_chunk_scan
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
@@ -91,13 +91,12 @@ def reverse_scan(cont, dec):
     if CONFIG["scan_segment"]:  # chained segments (chunk_scan.py)
         flat = (rows, n, M, X)
         chained_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
-                           scan_tile(M, X, 16), reverse=True)
+                           scan_tile(M, X, 16), reverse=True, fast=CONFIG["fast_launch"])
         launched("chained rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)
-    _rev_scan_kernel[((M // BM) * triton.cdiv(X, BD), rows)](cont, dec, out, n, B * H, M=M, DX=X, BM=BM, BD=BD,
-                                                             num_warps=4, num_stages=3)
-    launched("rev_scan")
+    launch("rev_scan", _rev_scan_kernel, ((M // BM) * triton.cdiv(X, BD), rows), cont, dec, out, n, B * H, M=M, DX=X,
+           BM=BM, BD=BD, num_warps=4, num_stages=3)
     return out
 
 
@@ -506,9 +505,8 @@ def _log_alpha_grad(p, dA, xa, totals):
     later = totals.flip(-1).cumsum(-1)
     dla = alloc(B, p.T, H, M, dtype=p.log_alpha.dtype, device=dA.device)
     bm = min(M, 64)
-    _alpha_grad_kernel[(n, B * H, M // bm)](dA, xa, later, p.mask, dla, dla.stride(0), p.T, p.W, n, L, H=H, M=M,
-                                            CSZ=p.cs, BM=bm)
-    launched("alpha grad")
+    launch("alpha grad", _alpha_grad_kernel, (n, B * H, M // bm), dA, xa, later, p.mask, dla, dla.stride(0), p.T,
+           p.W, n, L, H=H, M=M, CSZ=p.cs, BM=bm)
     return dla
 
 
@@ -690,12 +688,12 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     cols = min(cols, D, DV)
     grad_common = dict(common, BD=cols, num_warps=cols_warps or warps)
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
-    _rows_kernel[(triton.cdiv(T, rows_bq), B * H)](
+    launch(
+        "slot bwd rows", _rows_kernel, (triton.cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
-    launched("slot bwd rows")
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
     ck, cv = both.unbind(0) if both is not None else (alloc(B, H, n, M, D, dtype=f32, device=dev),
@@ -703,11 +701,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     state_grads = [(both, (p.q, wk, do, wv), D, 2)] if both is not None else [
         (ck, (p.q, wk, p.q, wk), D, 1), (cv, (do, wv, do, wv), DV, 1)]  # one launch for both, or one each
     for out, (y, wst, y2, wst2), dx, streams in state_grads:
-        _state_grad_kernel[(n, B * H, streams * dx // cols)](
+        launch(
+            "slot bwd state_grad", _state_grad_kernel, (n, B * H, streams * dx // cols),
             y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), p.log_alpha.stride(0), T, W, n, DX=dx,
             **grad_common,
         )
-        launched("slot bwd state_grad")
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
                                                                          reverse_scan(cv, dec))
     dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
@@ -720,22 +718,22 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
     # and the keys_da kernel's work too (not when keys_da should take the rows kernel's blocks)
     if merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]:
-        _keys_merged_kernel[(n, B * H)](
+        launch(
+            "slot bwd keys merged", _keys_merged_kernel, (n, B * H),
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dA, xa, totals,
             *strides, T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps),
         )
-        launched("slot bwd keys merged")
     else:
         for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:
-            _keys_kernel[(n, B * H, dx // cols)](
+            launch(
+                "slot bwd keys", _keys_kernel, (n, B * H, dx // cols),
                 p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *strides, T, W, n,
                 D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
             )
-            launched("slot bwd keys")
         da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
-        _keys_da_kernel[(n, B * H, M // bm)](
+        launch(
+            "slot bwd keys_da", _keys_da_kernel, (n, B * H, M // bm),
             p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *strides, T, W,
             n, L, D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
         )
-        launched("slot bwd keys_da")
     return dq, dk, dv, _log_alpha_grad(p, dA, xa, totals), dbr.sum((0, 1)) if bias_grad else None

@@ -146,9 +146,8 @@ def window_delta(p, do, lse, scale):
     delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
     do = do.contiguous()
     args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
-    _dq_kernel[(triton.cdiv(p.T, meta["CQB"]), p.B * p.H)](
-        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
-    chunk_fwd.launched("window delta")
+    chunk_fwd.launch("window delta", _dq_kernel, (triton.cdiv(p.T, meta["CQB"]), p.B * p.H),
+                     p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
     return delta
 
 
@@ -162,13 +161,10 @@ def window_backward(p, do, lse, delta, scale):
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
     cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq)
-    _dq_kernel[(triton.cdiv(T, cq), B * H)](
-        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
-    chunk_fwd.launched("window dq")
+    chunk_fwd.launch("window dq", _dq_kernel, (triton.cdiv(T, cq), B * H),
+                     p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
     _, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_dkv_block"] or cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
-    _dkv_kernel[(triton.cdiv(T, meta["BN"]), B * H)](
-        p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta
-    )
-    chunk_fwd.launched("window dkv")
+    chunk_fwd.launch("window dkv", _dkv_kernel, (triton.cdiv(T, meta["BN"]), B * H),
+                     p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
     return dqr, dkr, dv

@@ -10,7 +10,7 @@ import pytest
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-GPU_TEST_FILES = [HERE / "test_kernel_chunk.py"]
+GPU_TEST_FILES = [HERE / "test_kernel_chunk.py", HERE / "test_fast_launch.py"]
 
 
 def top_level_imports(path: Path) -> list[str]:

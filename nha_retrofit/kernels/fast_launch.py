@@ -1,0 +1,75 @@
+"""Kernel launches with less host time than `kernel[grid](...)`.
+
+Triton's launch path re-derives the kernel's specialization from every argument on every call (binding, the
+alignment and value checks of each argument, the cache key), then calls the compiled kernel's launcher: 40-86 us
+per launch in Triton 3.6 on the H200's host, against 0.1-0.3 ms of GPU time for the training step's kernels at
+T = 4K, so a short step is host-bound (NOTES.md, session 15). `launch` keeps the compiled kernel Triton returns
+per call signature (the current device, launch options, every scalar argument by value and each tensor's dtype
+and 16-byte alignment: all that Triton specializes on, and finer) and calls its launcher directly.
+
+A signature seen for the first time goes through Triton's own path, which compiles or finds the kernel; so does
+every launch under the CPU interpreter, and while a launch hook is set (profilers such as proton use them). The
+scalars are keyed by value, so a launch whose scalars change on every call (the decode step's growing mask stride)
+gains nothing here and should keep Triton's path (`fast=False`).
+"""
+
+import collections
+
+import torch
+import triton
+
+try:
+    from triton.compiler.compiler import CompiledKernel
+except ImportError:  # pragma: no cover - a Triton without it takes the plain path
+    CompiledKernel = None
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton calls: a Stream object costs ~20 us
+if _raw_stream is None:  # pragma: no cover
+    def _raw_stream(device):
+        return torch.cuda.current_stream(device).cuda_stream
+
+MAX_SIGNATURES = 1024  # per process, least recently used dropped first (training with many sequence lengths)
+_compiled = collections.OrderedDict()
+
+
+def _signature(kernel, device, args, kwargs):
+    """The cache key of one call: everything Triton's specialization reads from it, and finer. (Built inline: at
+    ~30 arguments per launch, a helper call per argument would cost as much as the launch.)"""
+    return (kernel, device, tuple((a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else (type(a), a)
+                                  for a in args),
+            tuple((name, type(value), value) for name, value in kwargs.items()))
+
+
+def _hooked():
+    """Whether a launch hook is set (Triton 3.6+ keeps each as a chain of calls, empty unless a tool adds one)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return True
+    hooks = (getattr(runtime, name, None) for name in ("launch_enter_hook", "launch_exit_hook"))
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+
+
+def launch(kernel, grid, *args, fast=True, **kwargs):
+    """kernel[grid](*args, **kwargs), through the kept compiled kernel when `fast` and its signature was seen."""
+    if not fast or CompiledKernel is None or not torch.cuda.is_available() or _hooked():
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    key = _signature(kernel, device, args, kwargs)
+    entry = _compiled.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        names = kernel.arg_names[len(args):]
+        complete = all(name in kwargs for name in names)  # (a parameter left to its default: the plain path)
+        if isinstance(compiled, CompiledKernel) and complete:
+            _compiled[key] = compiled, names
+            if len(_compiled) > MAX_SIGNATURES:
+                _compiled.popitem(last=False)
+        return
+    _compiled.move_to_end(key)
+    compiled, names = entry
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    stream = _raw_stream(device)
+    # the launcher takes every parameter in order, the constexprs included (it skips them), as Triton's own call
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *(kwargs[name] for name in names))

@@ -1,0 +1,113 @@
+"""`fast_launch`'s cache on any machine with Triton (no GPU: a stand-in kernel and compiled kernel record the calls):
+which launches go through Triton's own path, and what a kept kernel's launcher receives. The GPU side (the same bits
+as Triton's path, no call into it on a warm step) is tests/kernels/test_fast_launch.py."""
+
+import collections
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.compiler.compiler import CompiledKernel  # noqa: E402
+
+from nha_retrofit.kernels import fast_launch  # noqa: E402
+
+
+class Compiled(CompiledKernel):
+    """A compiled kernel that records its launcher's calls."""
+
+    function, packed_metadata, module = "function", "metadata", None
+
+    def __init__(self):  # (not CompiledKernel's: nothing to load)
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class Kernel:
+    """A JIT function stand-in: `kernel[grid](...)` records the call and returns a new compiled kernel."""
+
+    arg_names = ["X", "n", "scale", "BLOCK"]
+
+    def __init__(self):
+        self.plain = []
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.plain.append((grid, args, kwargs))
+            return Compiled()
+        return call
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(fast_launch, "_compiled", collections.OrderedDict())
+    return fast_launch._compiled
+
+
+def test_a_seen_signature_runs_the_kept_kernel_with_this_calls_arguments(cache):
+    kernel = Kernel()
+    first, second = torch.randn(64), torch.randn(64)
+    fast_launch.launch(kernel, (3, 2), first, 7, 0.5, BLOCK=16, num_warps=4)
+    assert len(kernel.plain) == 1 and len(cache) == 1
+    fast_launch.launch(kernel, (3, 2), second, 7, 0.5, BLOCK=16, num_warps=4)
+    assert len(kernel.plain) == 1
+    (compiled, _), = cache.values()
+    grid_and_stream, handles, hooks, params = (compiled.launches[0][:4], compiled.launches[0][4:6],
+                                               compiled.launches[0][6:9], compiled.launches[0][9:])
+    assert grid_and_stream == (3, 2, 1, 1234) and handles == ("function", "metadata") and hooks == (None,) * 3
+    assert params[0] is second and params[1:] == (7, 0.5, 16)  # every parameter in order, the constexpr included
+
+
+@pytest.mark.parametrize("change", ["scalar", "constexpr", "option", "dtype", "alignment"])
+def test_a_new_signature_goes_through_triton(cache, change):
+    kernel = Kernel()
+    x = torch.randn(65)
+    base = dict(args=(x[:64], 7, 0.5), kwargs=dict(BLOCK=16, num_warps=4))
+    fast_launch.launch(kernel, (1,), *base["args"], **base["kwargs"])
+    args, kwargs = list(base["args"]), dict(base["kwargs"])
+    if change == "scalar":
+        args[1] = 8
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    elif change == "option":
+        kwargs["num_warps"] = 8
+    elif change == "dtype":
+        args[0] = x[:64].double()
+    else:
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    fast_launch.launch(kernel, (1,), *args, **kwargs)
+    assert len(kernel.plain) == 2 and len(cache) == 2
+
+
+def test_triton_path_when_off_hooked_or_a_default_is_used(cache, monkeypatch):
+    kernel = Kernel()
+    x = torch.randn(64)
+    for _ in range(2):
+        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16, fast=False)
+    assert len(kernel.plain) == 2 and not cache
+    for _ in range(2):
+        fast_launch.launch(kernel, (1,), x, 7, 0.5)  # BLOCK left to its default: never kept
+    assert len(kernel.plain) == 4 and not cache
+    hook = fast_launch.triton.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(hook, "calls", [print])
+    for _ in range(2):
+        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16)
+    assert len(kernel.plain) == 6 and not cache
+
+
+def test_the_least_recently_used_signature_is_dropped(cache, monkeypatch):
+    monkeypatch.setattr(fast_launch, "MAX_SIGNATURES", 2)
+    kernel = Kernel()
+    x = torch.randn(64)
+    for n in (1, 2, 1, 3):  # 1 used again after 2: 2 is the one dropped for 3
+        fast_launch.launch(kernel, (1,), x, n, 0.5, BLOCK=16)
+    assert [call[1][1] for call in kernel.plain] == [1, 2, 3]
+    fast_launch.launch(kernel, (1,), x, 1, 0.5, BLOCK=16)
+    fast_launch.launch(kernel, (1,), x, 2, 0.5, BLOCK=16)
+    assert [call[1][1] for call in kernel.plain] == [1, 2, 3, 2]
