@@ -278,7 +278,8 @@ def test_batch_beyond_int32_offsets_runs_in_slices():
 
 def test_batch_slices_equal_one_call(monkeypatch):
     """With the offset limit lowered to one sequence per slice, training (output, every gradient) equals one call;
-    the slot bias's bf16 gradient is summed per slice and rounded to bf16 before the slices add up (H200: 3.2e-3)."""
+    the slot bias's bf16 gradient is summed per slice and rounded to bf16 before the slices add up: two roundings
+    of 2^-8 relative at most (H200: 3.2e-3 and 5.1e-3 on two draws)."""
     from nha_retrofit.kernels import autograd
 
     T, HQ, H, D, M, window, dtype, batch = 300, 8, 2, 64, 32, 40, torch.bfloat16, 3
@@ -294,7 +295,7 @@ def test_batch_slices_equal_one_call(monkeypatch):
     monkeypatch.setattr(autograd, "OFFSET_LIMIT", T * HQ * max(D, M) + 1)
     sliced = run()
     for name, got, want in zip(("o",) + NAMES, sliced, whole):
-        assert rel(got, want) <= (TOL[dtype] if name == "slot_bias" else 1e-6), (name, rel(got, want))
+        assert rel(got, want) <= (2 * 2**-8 if name == "slot_bias" else 1e-6), (name, rel(got, want))
 
 
 @pytest.mark.parametrize("window", [0, 64, 130])
@@ -411,7 +412,7 @@ def test_shape_sweep_matches_float64_reference(shape):
 
 
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
-    "values_tf32", "fwd_tf32", "bwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states",
+    "values_tf32", "fwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states",
     "train_chunk64", "slot_bwd_8warps", "slot_bwd_block8", "slot_bwd_split_keys", "fwd_window_first", "tf32x3",
     "tf32x3_window_first",
     "scan_tile_8x32", "scan_one_pass", "slot_bwd_keys_8warps", "slot_bwd_block32", "keys_da_32slots",
