@@ -5,7 +5,7 @@ alignment and value checks of each argument, the cache key), then calls the comp
 per launch in Triton 3.6 on the H200's host, against 0.1-0.3 ms of GPU time for the training step's kernels at
 T = 4K, so a short step is host-bound (NOTES.md, session 15). `launch` keeps the compiled kernel Triton returns
 per call signature (the current device, launch options, every scalar argument by value and each tensor's dtype
-and 16-byte alignment: all that Triton specializes on, and finer) and calls its launcher directly.
+and address mod 16: all that Triton specializes on, and finer) and calls its launcher directly.
 
 A signature seen for the first time goes through Triton's own path, which compiles or finds the kernel; so does
 every launch under the CPU interpreter, and while a launch hook is set (profilers such as proton use them). The
