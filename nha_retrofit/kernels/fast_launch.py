@@ -13,8 +13,6 @@ scalars are keyed by value, so a launch whose scalars change on every call (the 
 gains nothing here and should keep Triton's path (`fast=False`).
 """
 
-import collections
-
 import torch
 import triton
 
@@ -28,8 +26,8 @@ if _raw_stream is None:  # pragma: no cover
     def _raw_stream(device):
         return torch.cuda.current_stream(device).cuda_stream
 
-MAX_SIGNATURES = 1024  # per process, least recently used dropped first (training with many sequence lengths)
-_compiled = collections.OrderedDict()
+MAX_SIGNATURES = 1024  # per process; past it the cache starts over (training with many sequence lengths)
+_compiled = {}
 
 
 def _signature(kernel, device, args, kwargs):
@@ -62,11 +60,10 @@ def launch(kernel, grid, *args, fast=True, **kwargs):
         names = kernel.arg_names[len(args):]
         complete = all(name in kwargs for name in names)  # (a parameter left to its default: the plain path)
         if isinstance(compiled, CompiledKernel) and complete:
+            if len(_compiled) >= MAX_SIGNATURES:
+                _compiled.clear()  # (no per-hit bookkeeping, and safe beside launches from other threads)
             _compiled[key] = compiled, names
-            if len(_compiled) > MAX_SIGNATURES:
-                _compiled.popitem(last=False)
         return
-    _compiled.move_to_end(key)
     compiled, names = entry
     grid = tuple(grid) + (1,) * (3 - len(grid))
     stream = _raw_stream(device)

@@ -2,8 +2,6 @@
 which launches go through Triton's own path, and what a kept kernel's launcher receives. The GPU side (the same bits
 as Triton's path, no call into it on a warm step) is tests/kernels/test_fast_launch.py."""
 
-import collections
-
 import pytest
 import torch
 
@@ -46,7 +44,7 @@ def cache(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
-    monkeypatch.setattr(fast_launch, "_compiled", collections.OrderedDict())
+    monkeypatch.setattr(fast_launch, "_compiled", {})
     return fast_launch._compiled
 
 
@@ -101,13 +99,11 @@ def test_triton_path_when_off_hooked_or_a_default_is_used(cache, monkeypatch):
     assert len(kernel.plain) == 6 and not cache
 
 
-def test_the_least_recently_used_signature_is_dropped(cache, monkeypatch):
+def test_the_cache_starts_over_when_full(cache, monkeypatch):
     monkeypatch.setattr(fast_launch, "MAX_SIGNATURES", 2)
     kernel = Kernel()
     x = torch.randn(64)
-    for n in (1, 2, 1, 3):  # 1 used again after 2: 2 is the one dropped for 3
+    for n in (1, 2, 1, 3, 3, 1, 2):  # 3 finds the cache full: it starts over with 3 alone
         fast_launch.launch(kernel, (1,), x, n, 0.5, BLOCK=16)
-    assert [call[1][1] for call in kernel.plain] == [1, 2, 3]
-    fast_launch.launch(kernel, (1,), x, 1, 0.5, BLOCK=16)
-    fast_launch.launch(kernel, (1,), x, 2, 0.5, BLOCK=16)
-    assert [call[1][1] for call in kernel.plain] == [1, 2, 3, 2]
+    assert [call[1][1] for call in kernel.plain] == [1, 2, 3, 1, 2]
+    assert len(cache) == 1
