@@ -230,17 +230,23 @@ def parts(T=32768, w=64):
     return out
 
 
-def variants(lengths, names, w=64):
-    """Time each CONFIG variant (forward and forward+backward) side by side; returns records."""
+def variants(lengths, names, w=64, decode=False):
+    """Time each CONFIG variant (forward and forward+backward; with `decode` also the eager 28-layer decode step,
+    for variants of the host side) side by side; returns records."""
     from nha_retrofit.kernels import chunk_fwd
 
     base = dict(chunk_fwd.CONFIG)
     records = []
+
+    def use(name):
+        overrides = chunk_fwd.variant_overrides(name)
+        chunk_fwd.CONFIG.clear()
+        chunk_fwd.CONFIG.update(base, **overrides)
+        return overrides
+
     for T in lengths:
         for name in names:
-            overrides = chunk_fwd.variant_overrides(name)
-            chunk_fwd.CONFIG.clear()
-            chunk_fwd.CONFIG.update(base, **overrides)
+            overrides = use(name)
             for mode in ("fwd", "fwd+bwd"):
                 if mode == "fwd" and overrides and not set(overrides) & chunk_fwd.FORWARD_KEYS:
                     continue  # the forward is the defaults': timed with forward+backward only
@@ -252,6 +258,11 @@ def variants(lengths, names, w=64):
                 records.append(dict(impl="variant: " + name, T=T, window=w, mode=mode, ms=ms))
                 print(f"variant {name:18s} T={T:6d} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
                 torch.cuda.empty_cache()
+    for name in names if decode else []:
+        use(name)
+        ms = run_decode(window=w)[0]
+        records.append(dict(impl="variant: " + name, T=None, window=w, mode="decode eager", ms=ms))
+        print(f"variant {name:18s} decode, 28 layers, eager {ms:.3f} ms", flush=True)
     chunk_fwd.CONFIG.clear()
     chunk_fwd.CONFIG.update(base)
     return records
@@ -271,6 +282,7 @@ def main():
                     help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side "
                     "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
+    ap.add_argument("--variant-decode", action="store_true", help="also time each variant's eager decode step")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="time nothing: merge these runs' records (later files win for the same impl, T, window, "
                     "mode; e.g. the fla_gsa step of the same session) into --out-dir, for --device")
@@ -321,7 +333,7 @@ def main():
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
     if names:
-        records += variants([int(x) for x in args.variant_lengths.split(",")], names)
+        records += variants([int(x) for x in args.variant_lengths.split(",")], names, decode=args.variant_decode)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None
         for warps in (4, 8):
