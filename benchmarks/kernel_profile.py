@@ -10,8 +10,8 @@ Nsight Compute captures each kernel launch once:
 `--kernel-times N`: GPU time per kernel over N forward + backward steps (torch.profiler), no Nsight needed.
 `--host N`: the host's share: milliseconds per step the Python side takes to enqueue a forward + backward
 (no synchronization inside; valid while the GPU keeps up, i.e. at short T) against the GPU's milliseconds per
-step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd) and each
-Triton kernel's launch time.
+step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd), each
+Triton kernel's launch time, and the top-level PyTorch ops per step with their host time.
 `--forward-only`: the steps are inference forwards (no gradients: CONFIG["chunk"], no states kept).
 `--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
@@ -47,6 +47,7 @@ def host_profile(step, n, label):
     torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     launch_costs(step, n)
+    torch_ops(step, n)
 
 
 def launch_costs(step, n):
@@ -76,6 +77,29 @@ def launch_costs(step, n):
         print(f"launch {name:24s} {len(ts) // n} per step, median {sorted(ts)[len(ts) // 2] * 1e6:6.1f} us, "
               f"{sum(ts) / n * 1e6:7.1f} us per step")
     print(f"# Triton launches: {sum(map(sum, times.values())) / n * 1e3:.3f} ms of host time per step")
+
+
+def torch_ops(step, n):
+    """The aten ops a step calls (not those an aten op calls inside itself), counted and timed on the host per
+    step."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    counts, times = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+            counts[event.name] += 1
+            times[event.name] += event.cpu_time_total
+    print(f"# top-level aten ops per step ({sum(counts.values()) / n:.0f} calls, "
+          f"{sum(times.values()) / n / 1e3:.3f} ms of host time):")
+    for name, count in counts.most_common():
+        print(f"op {name:48s} {count / n:5.1f} per step, {times[name] / n:7.1f} us per step")
 
 
 def main():

@@ -42,10 +42,9 @@ from .products import dot_f32, dot_xa, dot_xb, product_precision
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
 
 
-def launch(name, kernel, grid, *args, fast=True, **kwargs):
-    """kernel[grid](*args, **kwargs), by `fast_launch` unless `fast` or CONFIG["fast_launch"] is off, then
-    `launched(name)`."""
-    fast_launch.launch(kernel, grid, *args, fast=fast and CONFIG["fast_launch"], **kwargs)
+def launch(name, kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), by `fast_launch` unless CONFIG["fast_launch"] is off, then `launched(name)`."""
+    fast_launch.launch(kernel, grid, *args, fast=CONFIG["fast_launch"], **kwargs)
     launched(name)
 
 

@@ -240,7 +240,6 @@ def nha_recurrent_step_triton(
         HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=rows, BN=BLOCK,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
-        fast=False,  # the mask's stride grows every step: Triton's own path (fast_launch keys scalars by value)
     )
     return out, state
 

@@ -4,13 +4,14 @@ Triton's launch path re-derives the kernel's specialization from every argument 
 alignment and value checks of each argument, the cache key), then calls the compiled kernel's launcher: 40-86 us
 per launch in Triton 3.6 on the H200's host, against 0.1-0.3 ms of GPU time for the training step's kernels at
 T = 4K, so a short step is host-bound (NOTES.md, session 15). `launch` keeps the compiled kernel Triton returns
-per call signature (the current device, launch options, every scalar argument by value and each tensor's dtype
-and address mod 16: all that Triton specializes on, and finer) and calls its launcher directly.
+per call signature and calls its launcher directly. The signature holds all that Triton specializes on, and finer:
+the current device, the launch options, each tensor's dtype and address mod 16, each runtime int's classes (int32 /
+int64 / uint64 range, whether it is 1, whether 16 divides it), each runtime float's type, and every other argument
+(constexprs, keyword arguments, bools, None) by value. So a launch whose ints change on every call (the decode
+step's growing mask stride, another sequence length) reuses its kernel as Triton's own cache would.
 
 A signature seen for the first time goes through Triton's own path, which compiles or finds the kernel; so does
-every launch under the CPU interpreter, and while a launch hook is set (profilers such as proton use them). The
-scalars are keyed by value, so a launch whose scalars change on every call (the decode step's growing mask stride)
-gains nothing here and should keep Triton's path (`fast=False`).
+every launch under the CPU interpreter, and while a launch hook is set (profilers such as proton use them).
 """
 
 import torch
@@ -28,13 +29,22 @@ if _raw_stream is None:  # pragma: no cover
 
 MAX_SIGNATURES = 1024  # per process; past it the cache starts over (training with many sequence lengths)
 _compiled = {}
+_constexpr_positions = {}  # kernel -> the positions of its constexpr parameters (keyed by value when positional)
 
 
 def _signature(kernel, device, args, kwargs):
     """The cache key of one call: everything Triton's specialization reads from it, and finer. (Built inline: at
     ~30 arguments per launch, a helper call per argument would cost as much as the launch.)"""
-    return (kernel, device, tuple((a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else (type(a), a)
-                                  for a in args),
+    constexprs = _constexpr_positions.get(kernel)
+    if constexprs is None:
+        constexprs = _constexpr_positions[kernel] = frozenset(
+            i for i, param in enumerate(kernel.params) if param.is_constexpr)
+    return (kernel, device,
+            tuple((a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                  else (int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63)
+                  if type(a) is int and i not in constexprs
+                  else float if type(a) is float and i not in constexprs
+                  else (type(a), a) for i, a in enumerate(args)),
             tuple((name, type(value), value) for name, value in kwargs.items()))
 
 

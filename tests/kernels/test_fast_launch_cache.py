@@ -24,13 +24,19 @@ class Compiled(CompiledKernel):
         self.launches.append(args)
 
 
+class Param:
+    def __init__(self, is_constexpr):
+        self.is_constexpr = is_constexpr
+
+
 class Kernel:
     """A JIT function stand-in: `kernel[grid](...)` records the call and returns a new compiled kernel."""
 
     arg_names = ["X", "n", "scale", "BLOCK"]
 
-    def __init__(self):
+    def __init__(self, constexpr=("BLOCK",)):
         self.plain = []
+        self.params = [Param(name in constexpr) for name in self.arg_names]
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
@@ -62,15 +68,15 @@ def test_a_seen_signature_runs_the_kept_kernel_with_this_calls_arguments(cache):
     assert params[0] is second and params[1:] == (7, 0.5, 16)  # every parameter in order, the constexpr included
 
 
-@pytest.mark.parametrize("change", ["scalar", "constexpr", "option", "dtype", "alignment"])
+@pytest.mark.parametrize("change", ["int class", "constexpr", "option", "dtype", "alignment"])
 def test_a_new_signature_goes_through_triton(cache, change):
     kernel = Kernel()
     x = torch.randn(65)
     base = dict(args=(x[:64], 7, 0.5), kwargs=dict(BLOCK=16, num_warps=4))
     fast_launch.launch(kernel, (1,), *base["args"], **base["kwargs"])
     args, kwargs = list(base["args"]), dict(base["kwargs"])
-    if change == "scalar":
-        args[1] = 8
+    if change == "int class":
+        args[1] = 16  # divisible by 16, which 7 is not
     elif change == "constexpr":
         kwargs["BLOCK"] = 32
     elif change == "option":
@@ -103,7 +109,43 @@ def test_the_cache_starts_over_when_full(cache, monkeypatch):
     monkeypatch.setattr(fast_launch, "MAX_SIGNATURES", 2)
     kernel = Kernel()
     x = torch.randn(64)
-    for n in (1, 2, 1, 3, 3, 1, 2):  # 3 finds the cache full: it starts over with 3 alone
-        fast_launch.launch(kernel, (1,), x, n, 0.5, BLOCK=16)
-    assert [call[1][1] for call in kernel.plain] == [1, 2, 3, 1, 2]
+    for block in (16, 32, 16, 64, 64, 16, 32):  # 64 finds the cache full: it starts over with 64 alone
+        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=block)
+    assert [call[2]["BLOCK"] for call in kernel.plain] == [16, 32, 64, 16, 32]
     assert len(cache) == 1
+
+
+def test_ints_of_one_class_and_floats_share_a_kernel_constexprs_do_not(cache):
+    kernel = Kernel()
+    x = torch.randn(64)
+    for n, scale in ((7, 0.5), (9, 2.0), (2**20 + 3, -1.0)):  # int32, not 1, not divisible by 16; any float
+        fast_launch.launch(kernel, (1,), x, n, scale, BLOCK=16)
+    assert len(kernel.plain) == 1
+    (compiled, _), = cache.values()
+    assert [launch[10:12] for launch in compiled.launches] == [(9, 2.0), (2**20 + 3, -1.0)]
+    positional = Kernel(constexpr=("n", "scale", "BLOCK"))  # constexprs passed by position: keyed by value
+    for n, scale in ((7, 0.5), (9, 0.5), (9, 0.5), (9, 2.0)):
+        fast_launch.launch(positional, (1,), x, n, scale, BLOCK=16)
+    assert [call[1][1:3] for call in positional.plain] == [(7, 0.5), (9, 0.5), (9, 2.0)]
+
+
+EDGES = [0, 1, 2, 3, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, -2**31, -2**31 - 1,
+         -2**31 - 16, 2**32, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 1, True, False, 0.5, 1.0, 16.0, None]
+
+
+def test_the_key_is_at_least_as_fine_as_tritons_specialization(cache):
+    """Two arguments with one key must get one specialization from the installed Triton (its C++ specializer, as
+    `kernel[grid](...)` calls it for a runtime parameter)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    kernel = Kernel(constexpr=())
+    key = lambda value: fast_launch._signature(kernel, 0, (value,), {})  # noqa: E731
+    triton_key = lambda value: native_specialize_impl(BaseBackend, value, False, True, True)  # noqa: E731
+    for a in EDGES:
+        for b in EDGES:
+            if key(a) == key(b):
+                assert triton_key(a) == triton_key(b), (a, b)
+    ints = [value for value in EDGES if type(value) is int]
+    assert len({key(value) for value in ints}) == len({triton_key(value) for value in ints}) == 7  # and no finer
+
