@@ -37,6 +37,7 @@ import triton.language as tl
 
 from . import fast_launch
 from .chunk_scan import chained_chunk_scan
+from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
@@ -487,7 +488,7 @@ class Prepared:
         self.prec = dot_precision(q.dtype)
         # read once: the backward uses the forward's chunking
         self.cs = (CONFIG["train_chunk"] or CONFIG["chunk"]) if training else CONFIG["chunk"]
-        self.nch = triton.cdiv(self.T, self.cs)
+        self.nch = cdiv(self.T, self.cs)
 
     TENSORS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "mask", "first", "bias")
 
@@ -507,7 +508,7 @@ def scan_tile(M, DX, rows):
     """[slots x columns] tile of one program of the sequential scans over chunks (more programs = more
     loads in flight): CONFIG["scan_tile"], else `rows` x 64."""
     bm, bd = CONFIG["scan_tile"] or (rows, 64)
-    return min(M, bm), min(bd, triton.next_power_of_2(DX))
+    return min(M, bm), min(bd, next_power_of_2(DX))
 
 
 def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, chunk=None):
@@ -523,9 +524,9 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
     out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
-    BD = min(64, triton.next_power_of_2(DX))
+    BD = min(64, next_power_of_2(DX))
     launch(
-        "chunk_update", _chunk_update_kernel, (nch, B * H, S * triton.cdiv(DX, BD)),
+        "chunk_update", _chunk_update_kernel, (nch, B * H, S * cdiv(DX, BD)),
         x, xs[-1], log_alpha, mask, out, dec, x.stride(0), log_alpha.stride(0),
         T, W, nch, H=H, M=M, DX=DX, CSZ=chunk or CONFIG["chunk"], BD=BD, PREC=slot_precision(x.dtype),
         ZERO_FIRST=initial is None,
@@ -542,7 +543,7 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
         launched("chained state_scan")
     else:
         launch(
-            "state_scan", _state_scan_kernel, ((M // BM) * triton.cdiv(DX, BDS), S * B * H),
+            "state_scan", _state_scan_kernel, ((M // BM) * cdiv(DX, BDS), S * B * H),
             out, dec, s0, nch, B * H, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4,
             num_stages=3,
         )
@@ -732,9 +733,9 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     cq = fwd_block(G, p.cs)
     assert p.cs % cq == 0, "the fused forward's query blocks must divide the chunk"
-    BR = max(16, triton.next_power_of_2(cq * G))
+    BR = max(16, next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
-    grid = (triton.cdiv(T, cq), B * H)
+    grid = (cdiv(T, cq), B * H)
     warps = fwd_warps(BR, max(D, DV))
     launch(
         "fused forward", _fwd_kernel, grid,

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from . import fast_launch
+from .fast_launch import cdiv
+from .workspace import counters
 
 
 def naive_chunk_scan(b, dec, x0=None, reverse=False):
@@ -84,8 +86,11 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
 
     Programs take tickets (FLAGS[0]) in the order they start and ticket t is (segment t // NCHAIN, chain
     t % NCHAIN), so a program only waits for one that started before it: no deadlock, however the hardware orders
-    the programs. The flags (FLAGS[1 + chain * NSEG + s]) and the ticket counter start at zero."""
+    the programs. The flags (FLAGS[1 + chain * NSEG + s]) and the ticket counter start at zero and end at zero
+    (each flag reset by its one reader, the counter by the last ticket's program), for the next launch."""
     ticket = tl.atomic_add(FLAGS, 1)
+    if ticket == NSEG * NCHAIN - 1:  # every program has its ticket
+        tl.atomic_xchg(FLAGS, 0)
     s = ticket // NCHAIN
     chain = ticket % NCHAIN
     NTILE: tl.constexpr = (M // BM) * ((DX + BD - 1) // BD)
@@ -104,6 +109,7 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
     else:
         while tl.atomic_add(FLAGS + link, 0, sem="acquire") == 0:  # FLAGS + 1 + (link - 1)
             pass
+        tl.atomic_xchg(FLAGS + link, 0)
         tl.debug_barrier()  # every thread's loads after the acquire
         carry = tl.load(CARRY + (link - 1) * BM * BD + local, cache_modifier=".cg")
     if s + 1 < NSEG:
@@ -124,9 +130,9 @@ def chained_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, fa
     nbh, n, M = dec.shape
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     BM, BD = tile
-    nseg = triton.cdiv(n, segment)
-    nchain = (M // BM) * triton.cdiv(X, BD) * BH
-    flags = torch.zeros(1 + nchain * nseg, dtype=torch.int32, device=out.device)
+    nseg = cdiv(n, segment)
+    nchain = (M // BM) * cdiv(X, BD) * BH
+    flags = counters(out.device, 1 + nchain * nseg)
     carry = torch.empty(nchain, nseg, BM, BD, dtype=torch.float32, device=out.device)
     fast_launch.launch(_chained_scan_kernel, (nchain * nseg,), bin_, dec, out, out if x0 is None else x0, carry,
                        flags, n, nseg, rows, rows - n, nbh, nchain, M=M, DX=X, BM=BM, BD=BD, K=segment,

@@ -7,8 +7,8 @@ One launch, split over the window like flash-decoding, so a long window is read 
 - the block holding that entry also absorbs the leaving token (window 0: the new token itself) into the fp32
   slots, in place, adds the slot logits (pre-RoPE q) to its partials, and finally writes the new token's key,
   RoPE'd key, value and gates over the entry;
-- the last block of a (sequence, kv head) to finish (a counter, `_counters`) merges the blocks' partials into the
-  output; a window of one block writes its output directly;
+- the last block of a (sequence, kv head) to finish (a counter in `workspace.counters`) merges the blocks' partials
+  into the output; a window of one block writes its output directly;
 - the last kv head of a sequence to finish (a second counter) writes the new token's mask into its ring entry and
   moves the ring start one on: every program of the sequence reads those two, so they move only after all have.
 The counters are reset by the programs that see them complete, so consecutive steps (and CUDA-graph replays) find
@@ -21,6 +21,8 @@ import triton.language as tl
 
 from ..modeling.nha_state import NHAState
 from .chunk_fwd import alloc, launch
+from .fast_launch import cdiv, next_power_of_2
+from .workspace import counters
 
 BLOCK = 64  # window entries per program: a long window is read by many programs at once, then merged
 
@@ -220,8 +222,8 @@ def nha_recurrent_step_triton(
     out = alloc(batch, 1, q_heads, value_dim, dtype=q.dtype, device=q.device)
     mask_args = (out, 0) if token_mask is None else (token_mask, token_mask.stride(0))
     groups = q_heads // kv_heads
-    rows = max(16, triton.next_power_of_2(groups))
-    blocks = max(triton.cdiv(window, BLOCK), 1)
+    rows = max(16, next_power_of_2(groups))
+    blocks = max(cdiv(window, BLOCK), 1)
     if blocks == 1:  # no partials: the one block writes the output
         part_acc = part_ml = out
     else:
@@ -234,7 +236,7 @@ def nha_recurrent_step_triton(
         state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha,
         state.window_mask.view(torch.int8), state.window_start, state.slot_keys, state.slot_values,
         state.slots_filled.view(torch.int8), out if slot_bias is None else slot_bias.contiguous(), out,
-        part_acc, part_ml, _counters(q.device, batch * (kv_heads + 1)),
+        part_acc, part_ml, counters(q.device, batch * (kv_heads + 1)),
         window, float(scale), 1.0 / (gate_normalizer or 1.0), batch, HAS_MASK=token_mask is not None,
         HAS_BIAS=slot_bias is not None, GATE=gate_normalizer is not None, RING=window > 0, SINGLE=blocks == 1,
         HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=rows, BN=BLOCK,
@@ -243,16 +245,3 @@ def nha_recurrent_step_triton(
     )
     return out, state
 
-
-_COUNTERS = {}  # (device, stream) -> int32 zeros that the decode kernel counts in and leaves at zero
-
-
-def _counters(device, size):
-    """The decode kernel's completion counters for the current stream (steps on one stream run one after the
-    other, so they can share them; another stream gets its own)."""
-    # the raw stream handle, as Triton's launcher reads it (torch.cuda.current_stream builds a Stream object: ~10 us)
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < size:
-        counters = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-    return counters

@@ -50,6 +50,7 @@ from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_
                         _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc, batch_strides,
                         kv_states, launch, launched, scan_tile)
 from .chunk_scan import chained_chunk_scan
+from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D
@@ -95,7 +96,7 @@ def reverse_scan(cont, dec):
         launched("chained rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)
-    launch("rev_scan", _rev_scan_kernel, ((M // BM) * triton.cdiv(X, BD), rows), cont, dec, out, n, B * H, M=M, DX=X,
+    launch("rev_scan", _rev_scan_kernel, ((M // BM) * cdiv(X, BD), rows), cont, dec, out, n, B * H, M=M, DX=X,
            BM=BM, BD=BD, num_warps=4, num_stages=3)
     return out
 
@@ -667,7 +668,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     do = do.contiguous()
     sk, sv, dec = states if states is not None else kv_states(p)  # recomputed when the forward did not keep them
     bq, warps = launch_shape()
-    BR = max(16, triton.next_power_of_2(bq * G))
+    BR = max(16, next_power_of_2(bq * G))
     rows_bq = CONFIG["slot_bwd_rows_block"] or bq  # the rows kernel's blocks are independent of the others'
     assert CS % bq == 0 and CS % rows_bq == 0, "the slot backward's blocks must divide the chunk"
     bd_ = min(BD, D, DV)
@@ -681,7 +682,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
-    rows_common = dict(common, CQB=rows_bq, BR=max(16, triton.next_power_of_2(rows_bq * G)),
+    rows_common = dict(common, CQB=rows_bq, BR=max(16, next_power_of_2(rows_bq * G)),
                        num_warps=CONFIG["slot_bwd_rows_warps"] or warps)
     # the column-split kernels (state_grad, keys): each program recomputes its row blocks' [rows, CS] weights
     cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
@@ -689,10 +690,10 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     grad_common = dict(common, BD=cols, num_warps=cols_warps or warps)
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     launch(
-        "slot bwd rows", _rows_kernel, (triton.cdiv(T, rows_bq), B * H),
+        "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, triton.next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
+        BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None

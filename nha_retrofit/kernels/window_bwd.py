@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import chunk_fwd
 from .chunk_fwd import _query_rows, _row_stats, _token_strides
+from .fast_launch import cdiv, next_power_of_2
 
 CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
 # (CONFIG["window_bwd_block"] overrides)
@@ -130,7 +131,7 @@ def _dkv_kernel(
 def _launch(p, do, scale, cq):
     """(batch strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens."""
     G = p.G
-    BR = max(16, triton.next_power_of_2(cq * G))
+    BR = max(16, next_power_of_2(cq * G))
     BN = 64 if BR <= 64 else 32
     q, k, v, _, o = chunk_fwd.batch_strides(p, do)  # (no gates here)
     args = (q, k, v, o, p.T, p.W, float(scale))
@@ -146,7 +147,7 @@ def window_delta(p, do, lse, scale):
     delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
     do = do.contiguous()
     args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
-    chunk_fwd.launch("window delta", _dq_kernel, (triton.cdiv(p.T, meta["CQB"]), p.B * p.H),
+    chunk_fwd.launch("window delta", _dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
     return delta
 
@@ -161,10 +162,10 @@ def window_backward(p, do, lse, delta, scale):
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
     cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq)
-    chunk_fwd.launch("window dq", _dq_kernel, (triton.cdiv(T, cq), B * H),
+    chunk_fwd.launch("window dq", _dq_kernel, (cdiv(T, cq), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
     _, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_dkv_block"] or cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
-    chunk_fwd.launch("window dkv", _dkv_kernel, (triton.cdiv(T, meta["BN"]), B * H),
+    chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
     return dqr, dkr, dv

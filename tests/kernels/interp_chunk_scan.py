@@ -5,7 +5,8 @@ interpreter runs one program at a time, in ticket order: the waiting between seg
 
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks; a state tile
 narrower than the state (columns not a multiple of the tile: masked) and several slot blocks; forward scans in
-place from zero and from a carried state, reverse scans. Every output element is NaN-poisoned first.
+place from zero and from a carried state, reverse scans. Every output element is NaN-poisoned first. The scans
+share their tickets and flags from one launch to the next, so each must leave them at zero.
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_chunk_scan.py   (prints OK and exits 0)
 """
@@ -29,7 +30,7 @@ def check(name, got, want, tol=1e-5):
 
 
 def main():
-    from nha_retrofit.kernels import chunk_fwd, slot_bwd
+    from nha_retrofit.kernels import chunk_fwd, slot_bwd, workspace
     from nha_retrofit.kernels.chunk_scan import naive_chunk_scan, chained_chunk_scan
 
     chunk_fwd.POISON = True
@@ -50,6 +51,7 @@ def main():
                 start = torch.full_like(b, float("nan"))  # from zero, not in place
                 chained_chunk_scan(b, dec, start, segment, (8, 32))
             label = f"n={n} K={segment}"
+            assert not workspace.counters(b.device, 1).any(), f"{label}: the scans left tickets or flags set"
             check(f"forward {label}", state[:, 1:], naive_chunk_scan(b, dec, x0))
             check(f"reverse {label}", back, naive_chunk_scan(b, dec, reverse=True))
             check(f"forward from zero {label}", start, naive_chunk_scan(b, dec))

@@ -149,3 +149,10 @@ def test_the_key_is_at_least_as_fine_as_tritons_specialization(cache):
     ints = [value for value in EDGES if type(value) is int]
     assert len({key(value) for value in ints}) == len({triton_key(value) for value in ints}) == 7  # and no finer
 
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    for n in range(1, 3000):
+        assert fast_launch.next_power_of_2(n) == fast_launch.triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64):
+            assert fast_launch.cdiv(n, d) == fast_launch.triton.cdiv(n, d), (n, d)
