@@ -390,7 +390,8 @@ def _da_weights(xy, w, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, 
 @triton.jit
 def _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M: tl.constexpr, CSZ: tl.constexpr):
     """DA[u] = E[u] - s_u UV[u] and XA[u] = -alpha_u UV[u] for the chunk's stream positions (slots offs_m), and
-    the chunk's sum of DA in TOT [B * H, M, NCH]."""
+    the chunk's sum of DA in TOT [B * H, M, NCH], in reverse chunk order (chunk c at NCH - 1 - c: the alpha
+    kernel's carries are then a plain cumsum of TOT)."""
     u = cs0 + tl.arange(0, CSZ)
     e_off = (pid_bh.to(tl.int64) * L + u) * M
     e = tl.load(E + e_off[:, None] + offs_m[None, :], mask=(u < T)[:, None], other=0.0)
@@ -398,7 +399,7 @@ def _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M: t
     da = e - s * uv
     tl.store(DA + e_off[:, None] + offs_m[None, :], da)
     tl.store(XA + e_off[:, None] + offs_m[None, :], tl.where(jr[:, None], -tl.exp(g) * uv, 0.0))
-    tl.store(TOT + (pid_bh.to(tl.int64) * M + offs_m) * NCH + c, tl.sum(da, 0))
+    tl.store(TOT + (pid_bh.to(tl.int64) * M + offs_m) * NCH + NCH - 1 - c, tl.sum(da, 0))
 
 
 @triton.jit
@@ -474,7 +475,7 @@ def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, T, W, NCH, L,
                        H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, BM: tl.constexpr):
     """DLA[b, j, h] = sum_{u >= j + W} DA[u] + XA[j + W] for the real tokens j < T - W and zero for the others, per
     (stream chunk, batch x kv head, slot block): the chunk's own reverse cumsum plus the later chunks' sum
-    (LATER [B * H, M, NCH]: the cumsum of the chunk sums in reverse chunk order, so chunk c's carry sits at
+    (LATER [B * H, M, NCH]: the cumsum of the chunk sums stored in reverse chunk order, so chunk c's carry sits at
     NCH - 2 - c), written straight into the [B, T, H, M] layout."""
     sd_t, sd_h = H * M, M  # [B, T, H, M], contiguous (as `_token_strides`)
     c = tl.program_id(0)
@@ -497,13 +498,13 @@ def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, T, W, NCH, L,
 
 def _log_alpha_grad(p, dA, xa, totals):
     """d log_alpha [B, T, H, M] in log_alpha's dtype from the keys_da outputs [B, H, L, M] over stream positions
-    u = j + W and their chunk sums `totals` [B, H, M, L / CS]: the suffix sum of dA plus xa, shifted back by the
-    window; padding rows get none. One kernel: per chunk a reverse cumsum plus the later chunks' sum (one kernel
-    instead of ~8 PyTorch ops: 0.65 ms less per 32K step on the H200, NOTES.md session 8), after two small ops (a
-    reverse cumsum over the chunk sums along their innermost dimension)."""
+    u = j + W and their chunk sums `totals` [B, H, M, L / CS] (in reverse chunk order): the suffix sum of dA plus
+    xa, shifted back by the window; padding rows get none. One kernel: per chunk a reverse cumsum plus the later
+    chunks' sum (one kernel instead of ~8 PyTorch ops: 0.65 ms less per 32K step on the H200, NOTES.md session 8),
+    after one small op (the cumsum of the chunk sums along their innermost dimension)."""
     B, H, L, M = dA.shape
     n = L // p.cs
-    later = totals.flip(-1).cumsum(-1)
+    later = totals.cumsum(-1)
     dla = alloc(B, p.T, H, M, dtype=p.log_alpha.dtype, device=dA.device)
     bm = min(M, 64)
     launch("alpha grad", _alpha_grad_kernel, (n, B * H, M // bm), dA, xa, later, p.mask, dla, dla.stride(0), p.T,
