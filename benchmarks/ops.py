@@ -215,13 +215,12 @@ def parts(T=32768, w=64):
         with mock.patch.object(chunk_fwd, "kv_states", lambda *args, **kwargs: states):
             out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
     p = prepare(w, True)  # the backward stages as training runs them (CONFIG["train_chunk"])
-    out["fwd total, training chunks"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
-    o, lse, _ = chunk_fwd.forward(p, D**-0.5, True)
+    out["fwd total, training chunks"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True, keep_logits=True))
+    o, lse, states = chunk_fwd.forward(p, D**-0.5, True, keep_logits=True)
     do = torch.randn_like(o)
     out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
     delta = window_delta(p, do, lse, D**-0.5)
     out["slot bwd, states recomputed"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5))
-    states = chunk_fwd.kv_states(p)
     out["slot bwd, states given"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5, states))
     slot_backward_triton(p, do, lse, delta, D**-0.5)  # completes delta with the slot share
     out["window bwd"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))

@@ -42,8 +42,9 @@ class _NHAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
         has_slots = _has_slots(prep)
-        o, lse, states = chunk_fwd.forward(prep, scale, has_slots)
-        keep = states if has_slots and chunk_fwd.CONFIG["save_states"] and training else ()
+        keep_states = has_slots and chunk_fwd.CONFIG["save_states"] and training
+        o, lse, states = chunk_fwd.forward(prep, scale, has_slots, keep_logits=keep_states)
+        keep = states if keep_states else ()
         # every tensor the backward reads goes through save_for_backward (none on ctx attributes), so gradient
         # checkpointing (its saved-tensor hooks) frees them after the forward and recomputes them
         ctx.save_for_backward(lse, *prep.tensors(), *keep)

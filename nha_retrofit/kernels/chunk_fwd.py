@@ -328,14 +328,18 @@ def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE,
+    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE, LOGITS,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
 ):
+    """o and the joint log-sum-exp of a block of query rows (module docstring); with STORE_LOGITS also the scaled
+    slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads instead
+    of forming them again."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
@@ -403,8 +407,12 @@ def _fwd_kernel(
                 e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
                                                    a_in, tok >= jj, M, MT)
                 x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
+        logits = (x_in + x_car * e_car) * scale
+        if STORE_LOGITS:
+            l_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
+            tl.store(LOGITS + l_off, logits, mask=tv[:, None] & slots[None, :])
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
-        logits = (x_in + x_car * e_car) * scale + bias[:, None]
+        logits += bias[:, None]
         first = tl.load(FIRST + b)
         filled0 = tl.load(FILLED0 + b)
         readable = active & ((filled0 > 0) | (t - W >= first))
@@ -596,10 +604,11 @@ CONFIG = {
     # despite more register spills)
     "slot_bwd_stages": 1,  # software-pipelining stages of its kernels (their loops over row blocks load Wk, Wv,
     # q and dO tiles per iteration; 2 prefetches the next block's into shared memory)
-    "slot_bwd_rows_block": 32,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
-    # loads the chunk's [M, D] states, as the forward's do; 32 tokens with 8 warps were 0.2-0.3 ms faster per
-    # 32K step than 16 with 4 on the H200, NOTES.md session 7)
-    "slot_bwd_rows_warps": 8,  # warps of its rows kernel (None: slot_bwd_warps)
+    "slot_bwd_rows_block": 16,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
+    # loads the chunk's [M, D] states, as the forward's do): with the logits formed in the kernel 32 tokens with 8
+    # warps were 0.2-0.3 ms faster per 32K step than 16 with 4 on the H200 (NOTES.md session 7); with the forward's
+    # logits loaded (CONFIG["save_logits"]) 16 with 4 were 0.2 ms faster than 32 with 8 (session 17)
+    "slot_bwd_rows_warps": 4,  # warps of its rows kernel (None: slot_bwd_warps)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
@@ -629,6 +638,9 @@ CONFIG = {
     "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
     # less per 32K step on the H200 (NOTES.md session 11) for 2 x [B, H, T/64 + 1, M, D] fp32 kept per layer, as
     # much memory as q (under gradient checkpointing only the layer being recomputed holds them); False recomputes
+    "save_logits": True,  # with save_states, the training forward also keeps its scaled slot logits [B, T, HQ, M]
+    # fp32 (as much memory as the states at 32-token chunks) and the rows kernel loads them instead of forming q
+    # against the states and the chunk's keys again; False recomputes them
     "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
     # time per launch in Triton 3.6)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
@@ -638,7 +650,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "merge_kv_states",
+    "merge_kv_states", "save_logits",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -658,6 +670,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_window_first": dict(fwd_slots_first=False),
     "direct_blocks": dict(block_factor_limit=0.0),
     "recompute_states": dict(save_states=False),
+    "recompute_logits": dict(save_logits=False),
     "chunk32": dict(chunk=32),
     "train_chunk64": dict(train_chunk=64),  # the training chunk before session 13
     "separate_kv_states": dict(merge_kv_states=False),
@@ -674,7 +687,9 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_block8": dict(slot_bwd_block=8),
     "slot_bwd_block32": dict(slot_bwd_block=32),
     "slot_bwd_rows32_4warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=4),
-    "slot_bwd_rows16": dict(slot_bwd_rows_block=16, slot_bwd_rows_warps=4),
+    "slot_bwd_rows32": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=8),  # sessions 7-16's rows kernel
+    "slot_bwd_rows8": dict(slot_bwd_rows_block=8, slot_bwd_rows_warps=4),
+    "slot_bwd_rows8_2warps": dict(slot_bwd_rows_block=8, slot_bwd_rows_warps=2),
     "slot_bwd_rows16_8warps": dict(slot_bwd_rows_block=16, slot_bwd_rows_warps=8),
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
     "slot_bwd_columns64": dict(slot_bwd_columns=None),
@@ -717,9 +732,10 @@ def fwd_warps(rows, dim):
     return 4 if rows * dim < 32 * 128 else CONFIG["num_warps_64"] if rows <= 64 else CONFIG["num_warps_128"]
 
 
-def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None):
-    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log) and the slot states and chunk decays
-    (Sk, Sv, dec) (or None)."""
+def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, keep_logits=False):
+    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log) and, with slots, what the slot backward can reuse:
+    (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and CONFIG["save_logits"], else
+    None) the scaled slot logits before the bias [B, T, HQ, M] fp32."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
@@ -731,6 +747,8 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sk, sv, dec = kv_states(p, initial_keys, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
+    store_logits = has_slots and keep_logits and CONFIG["save_logits"]
+    logits = alloc(B, T, HQ, M, dtype=torch.float32, device=dev) if store_logits else None
     cq = fwd_block(G, p.cs)
     assert p.cs % cq == 0, "the fused forward's query blocks must divide the chunk"
     BR = max(16, next_power_of_2(cq * G))
@@ -740,12 +758,12 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     launch(
         "fused forward", _fwd_kernel, grid,
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, o, lse, *batch_strides(p, o),
+        p.bias, sk, sv, o, lse, logits if store_logits else lse, *batch_strides(p, o),
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
         VPREC=value_precision(p.q.dtype), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
-        SLOTS_FIRST=CONFIG["fwd_slots_first"],
+        SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits,
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
-    return o, lse, ((sk, sv, dec) if has_slots else None)
+    return o, lse, ((sk, sv, dec, logits) if has_slots else None)

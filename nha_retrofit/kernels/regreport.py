@@ -27,7 +27,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
-                TOT=F32)
+                TOT=F32, LOGITS=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
@@ -80,12 +80,18 @@ def cases(HQ, H, D, M):
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, cf.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
                       BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
-                      LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False)
+                      LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
                         dict(consts, SLOTS_FIRST=True), warps, stages))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, stages))
+    train_cs = cf.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
+    train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
+    cq = cf.fwd_block(G, train_cs)
+    out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel,
+                dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True),
+                cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
     for cq in (window_bwd.CQ, 32):
         br = max(16, pow2(cq * G))
         wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=64 if br <= 64 else 32, PREC="tf32",
@@ -116,8 +122,10 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     for bq, warps, sprec in launches:
         common = constants(bq, sprec, 64)
         tag = f"block={bq} {sprec}"
-        out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel,
-                 dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32"), warps, 1),
+        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32")
+        out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, 1),
+                (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
+                 1),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, 1),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=True), warps, 1),

@@ -296,16 +296,17 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow,
 
 @triton.jit
 def _rows_kernel(
-    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA,
+    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, LOGITS,
     DQ, DB, E, WK, WV,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr,
+    PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, HAS_LOGITS: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product."""
+    added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled logits are
+    the forward's (LOGITS [B, T, HQ, M]), else they are formed again from q, the state and the chunk's keys."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
@@ -322,9 +323,12 @@ def _rows_kernel(
     e_car = tl.exp(a_in + a_ref[None, :])
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
 
-    # logits (before scale) and dP, one side after the other
-    lraw = _rows_side(Q, row, K, krow, SK, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw,
-                      a_in, e_car, direct, T, W, offs_c, D, BD, M, BR, CQB, CSZ, PREC, SPREC) * scale
+    # the scaled logits (the forward's, or formed again) and dP, one side after the other
+    if HAS_LOGITS:
+        lraw = tl.load(LOGITS + lrow[:, None] * M + offs_m[None, :], mask=tv[:, None], other=0.0)
+    else:
+        lraw = _rows_side(Q, row, K, krow, SK, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal,
+                          kw, a_in, e_car, direct, T, W, offs_c, D, BD, M, BR, CQB, CSZ, PREC, SPREC) * scale
     dp = _rows_side(DO, orow, V, vrow, SV, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal, kw,
                     a_in, e_car, direct, T, W, offs_c, DV, BD, M, BR, CQB, CSZ, PREC, SPREC)
     bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
@@ -658,7 +662,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     dlog_alpha in the inputs' dtypes (stored once, rounded in the kernel), dv and dslot_bias fp32.
 
     `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is completed in place with the
-    slot share, for the window backward that follows. `states`: the forward's (Sk, Sv, dec), else recomputed."""
+    slot share, for the window backward that follows. `states`: the forward's (Sk, Sv, dec, logits or None), else the
+    states are recomputed and the logits formed again in the rows kernel."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     assert T > W, "without slots (window >= T) the slot backward has nothing to do"
     n = p.nch
@@ -667,7 +672,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    sk, sv, dec = states if states is not None else kv_states(p)  # recomputed when the forward did not keep them
+    sk, sv, dec, logits = states if states is not None else (*kv_states(p), None)  # recomputed when not kept
     bq, warps = launch_shape()
     BR = max(16, next_power_of_2(bq * G))
     rows_bq = CONFIG["slot_bwd_rows_block"] or bq  # the rows kernel's blocks are independent of the others'
@@ -693,8 +698,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     launch(
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, **rows_common,
+        logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
+        BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None, **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None

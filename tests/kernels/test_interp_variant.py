@@ -33,10 +33,11 @@ CASES = [
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
     ("fwd_window_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),
     ("defaults", (90, 6, 2, 64, 64, 5, 2, "float16", 1.0, "random", "left")),
-    ("slot_bwd_rows16", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
+    ("slot_bwd_rows32", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
     ("window_bwd_block32", (100, 8, 2, 64, 32, 40, 2, "float32", 2.0, "random", "left")),
     ("separate_kv_states", (100, 8, 2, 64, 64, 40, 2, "float32", 2.0, "random", "left")),
     ("recompute_states", (100, 4, 2, 64, 64, 30, 2, "float32", 2.0, "random", "left")),  # the pre-session-11 default
+    ("recompute_logits", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),  # the pre-session-17 default
     # 64-token chunks in training (the defaults train with 32), mixed blocks
     ("train_chunk64", (130, 8, 2, 64, 64, 20, 2, "float32", 2.0, "random", "left")),
     ("train_chunk64", (90, 3, 1, 64, 32, 5, 1, "bfloat16", 8.0, "real_like", "right")),
