@@ -35,15 +35,16 @@ DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOK
                        PART_ML=F32, COUNT=I32)
 
 
-def report(jitfn, consts, num_warps, num_stages=2, pointers=None):
-    """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error)."""
+def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None):
+    """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error); maxnreg: a register cap."""
     ptrs = dict(POINTERS, **(pointers or {}))
     floats = ("scale", "inv_tau")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
     try:
         kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts)),
                                 target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+                                options=dict(num_warps=num_warps, num_stages=num_stages,
+                                             **({"maxnreg": maxnreg} if maxnreg else {})))
     except Exception as exc:  # noqa: BLE001 - report, do not stop
         return "compile failed: " + str(exc).strip().splitlines()[-1][:200]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -151,6 +152,10 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     return out
 
 
+# the slot backward's kernels that CONFIG["slot_bwd_maxnreg"] can cap, by the name of their cases
+CAPPED = {"slot bwd rows": "rows", "slot bwd state_grad": "state_grad", "slot bwd keys + keys_da merged": "keys"}
+
+
 def main():
     shapes = [(32, 8, 128, 64), (9, 3, 64, 64)]
     # NHA_KERNEL_VARIANT=name reports the kernels under that CONFIG variant (e.g. chunk32), as the GPU tests take it
@@ -163,7 +168,10 @@ def main():
             if slot_only and not name.startswith("slot bwd"):
                 continue
             ptrs = DECODE_POINTERS if name.startswith("decode") else None
-            print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs)}", flush=True)
+            capped = [kind for prefix, kind in CAPPED.items() if name.startswith(prefix)]
+            cap = slot_bwd.register_cap(capped[0]).get("maxnreg") if capped else None
+            print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs, cap)}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -657,6 +657,14 @@ def launch_shape():
     return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
 
 
+def register_cap(kernel):
+    """Launch options capping the registers per thread of the slot backward's `kernel` ("rows", "state_grad" or
+    "keys", the merged key kernel) at CONFIG["slot_bwd_maxnreg"][kernel]: more programs per multiprocessor for
+    more spills (none set: the compiler's choice, 255)."""
+    cap = CONFIG["slot_bwd_maxnreg"].get(kernel)
+    return dict(maxnreg=cap) if cap else {}
+
+
 def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias or None without `bias_grad`); dq, dk and
     dlog_alpha in the inputs' dtypes (stored once, rounded in the kernel), dv and dslot_bias fp32.
@@ -689,11 +697,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
                   LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
     rows_common = dict(common, CQB=rows_bq, BR=max(16, next_power_of_2(rows_bq * G)),
-                       num_warps=CONFIG["slot_bwd_rows_warps"] or warps)
+                       num_warps=CONFIG["slot_bwd_rows_warps"] or warps, **register_cap("rows"))
     # the column-split kernels (state_grad, keys): each program recomputes its row blocks' [rows, CS] weights
     cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
     cols = min(cols, D, DV)
-    grad_common = dict(common, BD=cols, num_warps=cols_warps or warps)
+    grad_common = dict(common, BD=cols, num_warps=cols_warps or warps, **register_cap("state_grad"))
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     launch(
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
@@ -728,7 +736,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
         launch(
             "slot bwd keys merged", _keys_merged_kernel, (n, B * H),
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dA, xa, totals,
-            *strides, T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps),
+            *strides, T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
         for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:
