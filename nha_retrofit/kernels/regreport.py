@@ -3,8 +3,11 @@
 Compiles each kernel with Triton for a Hopper target (the launch settings the wrappers use) and runs the
 ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure (the H200 allows ~227 KB per
 block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .version line is lowered.)
+With --sass also each kernel's static instruction mix (nvdisasm, bundled too): its matrix products (HMMA, HGMMA)
+against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills (LDL, STL),
+which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17).
 
-    python -m nha_retrofit.kernels.regreport [--quick] [--slot-bwd]
+    python -m nha_retrofit.kernels.regreport [--quick] [--slot-bwd] [--sass]
 """
 
 import os
@@ -21,6 +24,8 @@ from . import chunk_fwd as cf
 from . import chunk_scan, decode, slot_bwd, window_bwd
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
+MIX = ("HMMA", "HGMMA", "STS", "LDS", "LDSM", "BAR", "LDG", "STG", "LDL", "STL", "F2FP", "SHFL", "MUFU")
 BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
 POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, WK=F32, WV=F32, WKR=BF, WLA=F32,
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
@@ -35,8 +40,9 @@ DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOK
                        PART_ML=F32, COUNT=I32)
 
 
-def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None):
-    """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error); maxnreg: a register cap."""
+def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, sass=False):
+    """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error); maxnreg: a register cap; sass:
+    with its static instruction counts (`MIX`, and all instructions)."""
     ptrs = dict(POINTERS, **(pointers or {}))
     floats = ("scale", "inv_tau")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
@@ -47,16 +53,31 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None):
                                              **({"maxnreg": maxnreg} if maxnreg else {})))
     except Exception as exc:  # noqa: BLE001 - report, do not stop
         return "compile failed: " + str(exc).strip().splitlines()[-1][:200]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", kernel.asm["ptx"]))
-    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
-    if regs is None:
-        return "ptxas: " + out.stderr.strip()[-200:]
-    return (f"regs {regs.group(1):>3}, spill {int(spill.group(1)) if spill else 0:>5} B, "
-            f"smem {kernel.metadata.shared / 1024:5.0f} KB")
+    with tempfile.TemporaryDirectory() as folder:
+        ptx, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
+        with open(ptx, "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", kernel.asm["ptx"]))
+        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", out.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+        if regs is None:
+            return "ptxas: " + out.stderr.strip()[-200:]
+        text = (f"regs {regs.group(1):>3}, spill {int(spill.group(1)) if spill else 0:>5} B, "
+                f"smem {kernel.metadata.shared / 1024:5.0f} KB")
+        if sass:
+            text += "; " + instruction_mix(subprocess.run([NVDISASM, "-c", cubin], capture_output=True,
+                                                          text=True).stdout)
+    return text
+
+
+def instruction_mix(disassembly):
+    """'N instructions, HMMA a, ...' of nvdisasm output: static counts by opcode (predicates and modifiers dropped)."""
+    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassembly, re.M)
+    counts = {name: 0 for name in MIX}
+    for opcode in opcodes:
+        if opcode in counts:
+            counts[opcode] += 1
+    return f"{len(opcodes)} instructions, " + " ".join(f"{name} {n}" for name, n in counts.items())
 
 
 def cases(HQ, H, D, M):
@@ -162,6 +183,7 @@ def main():
     cf.CONFIG.update(cf.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")))
     quick = "--quick" in sys.argv
     slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels
+    sass = "--sass" in sys.argv
     for HQ, H, D, M in shapes[:1] if quick else shapes:
         print(f"# HQ={HQ} H={H} D={D} M={M}, bf16, sm_90a")
         for name, fn, consts, warps, stages in cases(HQ, H, D, M):
@@ -170,7 +192,7 @@ def main():
             ptrs = DECODE_POINTERS if name.startswith("decode") else None
             capped = [kind for prefix, kind in CAPPED.items() if name.startswith(prefix)]
             cap = slot_bwd.register_cap(capped[0]).get("maxnreg") if capped else None
-            print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs, cap)}",
+            print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs, cap, sass)}",
                   flush=True)
 
 
