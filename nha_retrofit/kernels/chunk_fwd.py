@@ -643,8 +643,9 @@ CONFIG = {
     # less per 32K step on the H200 (NOTES.md session 11) for 2 x [B, H, T/64 + 1, M, D] fp32 kept per layer, as
     # much memory as q (under gradient checkpointing only the layer being recomputed holds them); False recomputes
     "save_logits": True,  # with save_states, the training forward also keeps its scaled slot logits [B, T, HQ, M]
-    # fp32 (as much memory as the states at 32-token chunks) and the rows kernel loads them instead of forming q
-    # against the states and the chunk's keys again; False recomputes them
+    # fp32 (G x CS / 2D of the states' memory at CS-token chunks: half at the Llama-3-8B shape, 256 MiB per layer
+    # at 32K) and the rows kernel loads them instead of forming q against the states and the chunk's keys again;
+    # False recomputes them
     "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
     # time per launch in Triton 3.6)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the

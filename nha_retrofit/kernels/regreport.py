@@ -173,8 +173,9 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     return out
 
 
-# the slot backward's kernels that CONFIG["slot_bwd_maxnreg"] can cap, by the name of their cases
-CAPPED = {"slot bwd rows": "rows", "slot bwd state_grad": "state_grad", "slot bwd keys + keys_da merged": "keys"}
+# the slot backward's kernels that CONFIG["slot_bwd_maxnreg"] can cap (`slot_bwd.register_cap`), by their kind there
+CAPPED = {slot_bwd._rows_kernel: "rows", slot_bwd._state_grad_kernel: "state_grad",
+          slot_bwd._keys_merged_kernel: "keys"}
 
 
 def main():
@@ -190,8 +191,7 @@ def main():
             if slot_only and not name.startswith("slot bwd"):
                 continue
             ptrs = DECODE_POINTERS if name.startswith("decode") else None
-            capped = [kind for prefix, kind in CAPPED.items() if name.startswith(prefix)]
-            cap = slot_bwd.register_cap(capped[0]).get("maxnreg") if capped else None
+            cap = slot_bwd.register_cap(CAPPED[fn]).get("maxnreg") if fn in CAPPED else None
             print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs, cap, sass)}",
                   flush=True)
 
