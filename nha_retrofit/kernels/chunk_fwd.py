@@ -130,8 +130,9 @@ def _chunk_update_kernel(
     real = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
     jr = jv & real
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                mask=jr[:, None], other=0.0).to(tl.float32)
-    a = tl.cumsum(g, axis=0)
+                mask=jr[:, None], other=0.0)
+    a = _prefix_sums(g, offs_j[None, :] <= offs_j[:, None])
+    g = g.to(tl.float32)
     a_last = tl.sum(g, axis=0)
     wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
     x_off = b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :]
@@ -203,17 +204,41 @@ def _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ: tl.constexpr):
 
 
 @triton.jit
-def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, first_head, T, W, M: tl.constexpr, MT: tl.constexpr):
-    """Per row (token t, one of its heads): the summed log gates of the stream positions from the query
-    block's start to t inclusive (rows are token-major: a cumsum over the rows that are a token's first
-    head gives it). [rows, MT]: M slots, zero in the padding columns of a wider slot tile MT >= M."""
-    j = t - W
-    jv = first_head & (j >= 0) & (j < T - W)
-    jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
+def _prefix_sums(g, incl):
+    """incl [R, K] (0/1) . g [K, MT] with the gates g as loaded (the inputs' dtype): the gate sums each row selects
+    (the prefix sums of a chunk or of a query block) as one matrix product, exact products summed in fp32.
+    tl.cumsum's shuffle tree took ~10% of the fused forward's warp samples (NOTES.md session 18)."""
+    if g.dtype == tl.float32:
+        return tl.dot(incl.to(tl.float32), g, input_precision="ieee")
+    return tl.dot(incl.to(g.dtype), g)
+
+
+@triton.jit
+def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, first_head, T, W, CQB: tl.constexpr, M: tl.constexpr,
+               MT: tl.constexpr, BY_SCAN: tl.constexpr):
+    """Per row (token t0 + tok of the query block from t0, one of its heads): the summed log gates of the stream
+    positions from the block's start to the row's token inclusive. [rows, MT]: M slots, zero in the padding
+    columns of a wider slot tile MT >= M.
+    By default one product of the block's gates [CQB, MT] with the rows' token masks; BY_SCAN: tl.cumsum over the
+    rows, each token's gates loaded into its `first_head` row (the key kernels: there the product's tiles spill,
+    0.29 ms more per 32K step on the H200, NOTES.md session 18)."""
     offs_m = tl.arange(0, MT)
+    if BY_SCAN:
+        j = t0 + tok - W
+        jv = first_head & (j >= 0) & (j < T - W)
+    else:
+        BK: tl.constexpr = 16 if CQB < 16 else CQB  # a matrix product's inner size is at least 16
+        i = tl.arange(0, BK)
+        j = t0 + i - W
+        jv = (i < CQB) & (j >= 0) & (j < T - W)
+    jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                mask=jr[:, None] & (offs_m < M)[None, :], other=0.0).to(tl.float32)
-    return tl.cumsum(g, axis=0)
+                mask=jr[:, None] & (offs_m < M)[None, :], other=0.0)
+    if BY_SCAN:
+        a_in = tl.cumsum(g.to(tl.float32), axis=0)
+    else:
+        a_in = _prefix_sums(g, i[None, :] <= tok[:, None])
+    return a_in
 
 
 @triton.jit
@@ -383,8 +408,9 @@ def _fwd_kernel(
         offs_m = tl.arange(0, MT)  # MT >= M: the padding slots have zero gates and states and -inf logits
         slots = offs_m < M
         g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                    mask=jr[:, None] & slots[None, :], other=0.0).to(tl.float32)
-        a = tl.cumsum(g, axis=0)  # [CS, MT], from the chunk start, inclusive
+                    mask=jr[:, None] & slots[None, :], other=0.0)
+        a = _prefix_sums(g, offs_u[None, :] <= offs_u[:, None])  # [CS, MT], from the chunk start, inclusive
+        g = g.to(tl.float32)
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
         krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
@@ -393,7 +419,7 @@ def _fwd_kernel(
         # else the block's own tokens get direct weights below: nothing can overflow
         a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (gh == 0), T, W, M, MT)
+        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, tv & (gh == 0), T, W, CQB, M, MT, False)
         e_in = tl.exp(a_in)  # <= 1 for rows of this block
         e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
         # the same products as the slot backward's rows kernel, so its recomputed logits match this L

@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc, batch_strides,
-                        kv_states, launch, launched, scan_tile)
+                        _cumsum_row, _prefix_sums, _query_rows, _row_decay, _row_stats, _token_strides, alloc,
+                        batch_strides, kv_states, launch, launched, scan_tile)
 from .chunk_scan import chained_chunk_scan
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -113,8 +113,8 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
     jr = jv & jreal
     offs_m = tl.arange(0, M)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
-                mask=jr[:, None], other=0.0).to(tl.float32)
-    return g, tl.cumsum(g, axis=0), j, jr
+                mask=jr[:, None], other=0.0)
+    return g.to(tl.float32), _prefix_sums(g, offs_u[None, :] <= offs_u[:, None]), j, jr
 
 
 @triton.jit
@@ -145,12 +145,12 @@ def _row_lanes(h, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
 
 @triton.jit
 def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0, off, r, tok, hq, rok, T, W,
-               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, A: tl.constexpr,
-               B: tl.constexpr):
+               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
+               A: tl.constexpr, B: tl.constexpr, ROW_SCAN: tl.constexpr):
     """Query block at chunk offset off, split by the caller (`_block_split`: a_ref, the gates before it, and
     which tokens are `factored`): tokens t, valid rows tv, the causal mask [rows, CS], the factored weights kw,
     the rows' [rows, M] weights from WA (if A) and WB (if B; zeros where not loaded) and their decays a_in from
-    the block start."""
+    the block start (`_row_decay`, by a scan with ROW_SCAN)."""
     offs_u = tl.arange(0, CSZ)
     t = cs0 + off + tok
     tv = rok & (t < T)
@@ -163,7 +163,7 @@ def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, c
         wa = tl.load(WA + w_off, mask=tv[:, None], other=0.0)
     if B:
         wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off, tok, tv & (r % GQ == 0), T, W, CQB, M, M, ROW_SCAN)
     return t, tv, causal, kw, wa, wb, a_in
 
 
@@ -202,7 +202,7 @@ def _key_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, to
     their `_block_weights`; returns (t, tv, causal, a_ref, factored, direct, a_in, wa, wb, ba, bb)."""
     a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
     t, tv, causal, kw, wa, wb, a_in = _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0,
-                                                 off, r, tok, hq, rok, T, W, HQ, GQ, M, CSZ, A, B)
+                                                 off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ, A, B, True)
     ba, bb = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, direct, T, W, M,
                             CQB, CSZ, SPREC, A, B)
     return t, tv, causal, a_ref, factored, direct, a_in, wa, wb, ba, bb
@@ -264,7 +264,7 @@ def _block_chunk(G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_
     causal = tl.arange(0, CSZ)[None, :] <= (off + tok)[:, None]
     a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
     kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, M, M)
+    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, tv & (r % GQ == 0), T, W, CQB, M, M, False)
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
     st = pid_bh.to(tl.int64) * (NCH + 1) + c
     return cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st
@@ -455,7 +455,8 @@ def _keys_da_kernel(
         causal = (offs_u[None, :] <= (off + tok)[:, None]) & tv[:, None]
         a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)
         w_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
-        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, t, tv & (r % GQ == 0), T, W, BM, BM)
+        a_in = _row_decay(GB, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off, tok, tv & (r % GQ == 0), T, W, CQB, BM, BM,
+                          True)
         row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
         uv += _da_side(Q, row, K, krow, WK, w_off, GB, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal,
                        a_in, a, a_ref, factored, direct, T, W, D, BD, BM, BR, CQB, CSZ, PREC, SPREC)
@@ -528,7 +529,7 @@ def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h,
         a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
         t, tv, causal, kw, wst, unused, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
                                                           factored, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M,
-                                                          CSZ, True, False)
+                                                          CQB, CSZ, True, False, False)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc = acc + dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
     return acc
