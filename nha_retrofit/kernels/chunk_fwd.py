@@ -131,7 +131,7 @@ def _chunk_update_kernel(
     jr = jv & real
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None], other=0.0)
-    a = _prefix_sums(g, offs_j[None, :] <= offs_j[:, None])
+    a = _chunk_cumsum(g, CSZ)
     g = g.to(tl.float32)
     a_last = tl.sum(g, axis=0)
     wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
@@ -207,10 +207,24 @@ def _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ: tl.constexpr):
 def _prefix_sums(g, incl):
     """incl [R, K] (0/1) . g [K, MT] with the gates g as loaded (the inputs' dtype): the gate sums each row selects
     (the prefix sums of a chunk or of a query block) as one matrix product, exact products summed in fp32.
-    tl.cumsum's shuffle tree took ~10% of the fused forward's warp samples (NOTES.md session 18)."""
+    tl.cumsum's shuffle tree took ~10% of the fused forward's warp samples (NOTES.md session 18). Callers take it
+    only for tiles of 64 slots or more: with 32 the H200 got the key kernels' gradients wrong at 64-token chunks
+    (Triton 3.6; right under the interpreter, NOTES.md session 18), as small slot tiles did in session 5."""
     if g.dtype == tl.float32:
         return tl.dot(incl.to(tl.float32), g, input_precision="ieee")
     return tl.dot(incl.to(g.dtype), g)
+
+
+@triton.jit
+def _chunk_cumsum(g, CSZ: tl.constexpr):
+    """The chunk's inclusive prefix sums of its gates g [CS, MT] (as loaded), fp32: `_prefix_sums` for tiles of at
+    least 64 slots, else tl.cumsum."""
+    if g.shape[1] < 64:
+        a = tl.cumsum(g.to(tl.float32), axis=0)
+    else:
+        offs = tl.arange(0, CSZ)
+        a = _prefix_sums(g, offs[None, :] <= offs[:, None])
+    return a
 
 
 @triton.jit
@@ -219,11 +233,13 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, first_head, T, W, CQB: 
     """Per row (token t0 + tok of the query block from t0, one of its heads): the summed log gates of the stream
     positions from the block's start to the row's token inclusive. [rows, MT]: M slots, zero in the padding
     columns of a wider slot tile MT >= M.
-    By default one product of the block's gates [CQB, MT] with the rows' token masks; BY_SCAN: tl.cumsum over the
-    rows, each token's gates loaded into its `first_head` row (the key kernels: there the product's tiles spill,
-    0.29 ms more per 32K step on the H200, NOTES.md session 18)."""
+    By default one product of the block's gates [CQB, MT] with the rows' token masks (tiles of 64 slots or more,
+    `_prefix_sums`); BY_SCAN or narrower tiles: tl.cumsum over the rows, each token's gates loaded into its
+    `first_head` row (BY_SCAN: the key kernels, where the product's tiles spill, 0.29 ms more per 32K step on the
+    H200, NOTES.md session 18)."""
+    SCAN: tl.constexpr = BY_SCAN | (MT < 64)
     offs_m = tl.arange(0, MT)
-    if BY_SCAN:
+    if SCAN:
         j = t0 + tok - W
         jv = first_head & (j >= 0) & (j < T - W)
     else:
@@ -234,7 +250,7 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, first_head, T, W, CQB: 
     jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None] & (offs_m < M)[None, :], other=0.0)
-    if BY_SCAN:
+    if SCAN:
         a_in = tl.cumsum(g.to(tl.float32), axis=0)
     else:
         a_in = _prefix_sums(g, i[None, :] <= tok[:, None])
@@ -409,7 +425,7 @@ def _fwd_kernel(
         slots = offs_m < M
         g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                     mask=jr[:, None] & slots[None, :], other=0.0)
-        a = _prefix_sums(g, offs_u[None, :] <= offs_u[:, None])  # [CS, MT], from the chunk start, inclusive
+        a = _chunk_cumsum(g, CSZ)  # [CS, MT], from the chunk start, inclusive
         g = g.to(tl.float32)
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c

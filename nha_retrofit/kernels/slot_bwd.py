@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _cumsum_row, _prefix_sums, _query_rows, _row_decay, _row_stats, _token_strides, alloc,
+                        _chunk_cumsum, _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc,
                         batch_strides, kv_states, launch, launched, scan_tile)
 from .chunk_scan import chained_chunk_scan
 from .fast_launch import cdiv, next_power_of_2
@@ -114,7 +114,7 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
     offs_m = tl.arange(0, M)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None], other=0.0)
-    return g.to(tl.float32), _prefix_sums(g, offs_u[None, :] <= offs_u[:, None]), j, jr
+    return g.to(tl.float32), _chunk_cumsum(g, CSZ), j, jr
 
 
 @triton.jit
