@@ -27,7 +27,9 @@ def stalls(path):
     by_line, reasons, by_opcode, text = collections.Counter(), collections.defaultdict(collections.Counter), \
         collections.Counter(), {}
     source_file, column = None, None
-    for row in csv.reader(open(path)):
+    with open(path, newline="") as page:
+        rows = list(csv.reader(page))
+    for row in rows:
         if len(row) == 2 and row[0] == "File Path":
             source_file = row[1].rsplit("/", 1)[-1]
         elif row and row[0] == "Line No":
