@@ -412,7 +412,7 @@ def test_shape_sweep_matches_float64_reference(shape):
 
 
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
-    "values_tf32", "fwd_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states", "recompute_logits",
+    "values_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states", "recompute_logits",
     "train_chunk64", "slot_bwd_8warps", "slot_bwd_block8", "slot_bwd_split_keys", "fwd_window_first", "tf32x3",
     "tf32x3_window_first",
     "scan_tile_8x32", "scan_one_pass", "slot_bwd_keys_8warps", "slot_bwd_block32", "keys_da_32slots",
