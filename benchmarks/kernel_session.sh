@@ -57,7 +57,7 @@ fi
 # a shorter session: BUDGET, the CAP_* step limits, VARIANTS, TVARIANTS_K and OPS_LENGTHS from the environment
 DEFAULT_VARIANTS=defaults,fwd_window_first,tf32x3,tf32x3_window_first,fwd_tf32x3,bwd_tf32x3,values_tf32,fwd_tf32
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,fwd_block8,fwd_warps4,direct_blocks,recompute_states,chunk32,train_chunk64
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,scan_tile_8x32,scan_one_pass
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,scan_one_pass_8x32,scan_block_4096
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,scan_segment_32,bwd_tf32,window_dkv_8warps,slot_bwd_8warps,slot_bwd_keys_8warps
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_block8,slot_bwd_block32,keys_da_32slots,fwd_block16,fwd_rows256
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,window_bwd_block32,window_bwd_block16,slot_bwd_rows32,slot_bwd_rows8,slot_bwd_rows32_4warps

@@ -555,10 +555,25 @@ class Prepared:
 
 
 def scan_tile(M, DX, rows):
-    """[slots x columns] tile of one program of the sequential scans over chunks (more programs = more
-    loads in flight): CONFIG["scan_tile"], else `rows` x 64."""
+    """[slots x columns] tile of one program of the one-pass scans over chunks (more programs = more loads in
+    flight): CONFIG["scan_tile"], else `rows` x 64."""
     bm, bd = CONFIG["scan_tile"] or (rows, 64)
     return min(M, bm), min(bd, next_power_of_2(DX))
+
+
+def chained_scan(bin_, dec, out, x0=None, reverse=False):
+    """`chained_chunk_scan` at CONFIG's segment and `scan_slice` (the forward's state scan, the backward's reverse
+    scan)."""
+    M, X = out.shape[-2], out.shape[-1]
+    return chained_chunk_scan(bin_, dec, out, CONFIG["scan_segment"], scan_slice(M, X), x0=x0, reverse=reverse,
+                              fast=CONFIG["fast_launch"])
+
+
+def scan_slice(M, DX):
+    """Slots of the [M, DX] state per program of the chained scans: CONFIG["scan_block"] elements over the
+    segment's chunks and the columns (both rounded up to powers of two), at least one, at most M rounded up."""
+    per_slot = next_power_of_2(CONFIG["scan_segment"]) * next_power_of_2(DX)
+    return min(max(CONFIG["scan_block"] // per_slot, 1), next_power_of_2(M))
 
 
 def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, chunk=None):
@@ -583,15 +598,14 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
         num_warps=4,
     )
     s0 = initial.contiguous().float() if initial is not None else out
-    BM, BDS = scan_tile(M, DX, 16)
     if CONFIG["scan_segment"]:  # chained segments (chunk_scan.py)
         if initial is not None:
             out[:, :, :, 0] = s0
         flat = out.view(S * B * H, nch + 1, M, DX)
-        chained_chunk_scan(flat, dec.view(B * H, nch, M), flat, CONFIG["scan_segment"], (BM, BDS),
-                           x0=None if initial is None else s0.view(S * B * H, M, DX), fast=CONFIG["fast_launch"])
+        chained_scan(flat, dec.view(B * H, nch, M), flat, x0=None if initial is None else s0.view(S * B * H, M, DX))
         launched("chained state_scan")
     else:
+        BM, BDS = scan_tile(M, DX, 16)
         launch(
             "state_scan", _state_scan_kernel, ((M // BM) * cdiv(DX, BDS), S * B * H),
             out, dec, s0, nch, B * H, M=M, DX=DX, BM=BM, BD=BDS, HAS_S0=initial is not None, num_warps=4,
@@ -675,10 +689,13 @@ CONFIG = {
     "window_dkv_block": 16,  # ... of its dkv kernel (None: window_bwd_block; at 32 its smem is 137 KB)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
-    "scan_tile": None,  # (slots, columns) per program of the state scan and the reverse scan (None: forward
-    # (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head, each a loop over T/64)
+    "scan_tile": None,  # (slots, columns) per program of the one-pass state scan and reverse scan (scan_segment
+    # None; None: forward (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head)
     "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
+    "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
+    # held in registers, 64 per thread: 287 us per 32K training scan on the H200 against 335 with 8-chunk segments
+    # of 4096 (NOTES.md session 19)
     "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
     # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
     "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
@@ -697,7 +714,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "merge_kv_states", "save_logits",
+    "scan_block", "merge_kv_states", "save_logits",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -721,9 +738,9 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "chunk32": dict(chunk=32),
     "train_chunk64": dict(train_chunk=64),  # the training chunk before session 13
     "separate_kv_states": dict(merge_kv_states=False),
-    "scan_tile_8x32": dict(scan_tile=(8, 32)),
-    "scan_tile_4x32": dict(scan_tile=(4, 32)),
     "scan_one_pass": dict(scan_segment=None),
+    "scan_one_pass_8x32": dict(scan_segment=None, scan_tile=(8, 32)),
+    "scan_block_4096": dict(scan_block=4096),
     "scan_segment_8": dict(scan_segment=8),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),

@@ -2,14 +2,15 @@
 
 The forward needs the state before every chunk (`slot_states`: inclusive, in place over the chunk updates); the
 slot backward needs the state gradient after every chunk (`reverse_scan`: exclusive, from the last chunk back).
-A scan over n chunks is a chain of n dependent steps (~0.45 us each on the H200: 0.23-0.76 ms at 32K, n = 512,
-however many programs run). `chained_chunk_scan` cuts the chain into segments of K chunks, scanned in parallel
-from zero; only the segments' carries pass from one to the next (about K + n / K dependent steps), in one launch:
-each segment's program waits for its predecessor's carry, then scans its chunks again from it (from L2), so the
-states cross DRAM once each way. (Its first form, a segment scan launch and a fixup launch, moved them twice and
-cost ~0.45 ms more per 32K training step: NOTES.md, session 14.) `naive_chunk_scan` is the plain PyTorch
-definition it is tested against. Several state arrays that share their decays (the key and the value states) scan
-in one launch: state row r takes the decays of row r % NBH.
+A scan over n chunks is a chain of n dependent steps (a walk waits ~0.45 us per step for its load on the H200:
+0.23-0.76 ms at 32K, n = 512, however many programs run). `chained_chunk_scan` cuts the chain into segments of K
+chunks, each loaded as one block and scanned from zero in registers; only the segments' carries pass from one to
+the next, in one launch: each segment's program waits for its predecessor's carry and stores its states through
+it, so the states cross DRAM once each way. (Its first form, a segment scan launch and a fixup launch, moved them
+twice and cost ~0.45 ms more per 32K training step: NOTES.md, session 14; its second walked each segment twice,
+reading its chunks twice: 0.41 against 0.29 ms per 32K training scan, session 19.) `naive_chunk_scan` is the
+plain PyTorch definition it is tested against. Several state arrays that share their decays (the key and the value
+states) scan in one launch: state row r takes the decays of row r % NBH.
 """
 
 import torch
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import fast_launch
-from .fast_launch import cdiv
+from .fast_launch import cdiv, next_power_of_2
 from .workspace import counters
 
 
@@ -37,52 +38,27 @@ def naive_chunk_scan(b, dec, x0=None, reverse=False):
 
 
 @triton.jit
-def _tile(pid_t, M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """The [BM, BD] tile number pid_t of an [M, DX] state: slot offsets, column mask and element offsets."""
-    NDB: tl.constexpr = (DX + BD - 1) // BD
-    offs_m = (pid_t // NDB) * BM + tl.arange(0, BM)
-    offs_d = (pid_t % NDB) * BD + tl.arange(0, BD)
-    dmask = offs_d < DX
-    return offs_m, dmask, offs_m[:, None] * DX + offs_d[None, :]
-
-
-@triton.jit
-def _chunk(i, N, REVERSE: tl.constexpr):
-    """The chunk of scan step i."""
-    if REVERSE:
-        return N - 1 - i
-    else:
-        return i
-
-
-@triton.jit
-def _scan_segment(BIN, DEC, OUT, x, s, N, K, bh, dec_bh, ROWS, SHIFT, offs_m, dmask, tile,
-                  M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, REVERSE: tl.constexpr, STORE: tl.constexpr):
-    """Steps s*K .. s*K+K-1 from x (chunk c of a state array at row c + SHIFT of ROWS per head): (x after them,
-    the product of their decays); with STORE the scan's states into OUT."""
-    prod = tl.full([BM], 1.0, dtype=tl.float32)
-    for i in range(s * K, tl.minimum(s * K + K, N)):
-        c = _chunk(i, N, REVERSE)
-        row = (bh * ROWS + c + SHIFT) * M * DX
-        if STORE and REVERSE:  # exclusive: the state after chunk c is what the later chunks sent back
-            tl.store(OUT + row + tile, x, mask=dmask[None, :])
-        dec = tl.load(DEC + (dec_bh * N + c) * M + offs_m)
-        x = dec[:, None] * x + tl.load(BIN + row + tile, mask=dmask[None, :], other=0.0)
-        prod = prod * dec
-        if STORE and not REVERSE:
-            tl.store(OUT + row + tile, x, mask=dmask[None, :])
-    return x, prod
+def _affine(a1, b1, a2, b2):
+    """Two scan steps x -> a x + b in order (first (a1, b1), then (a2, b2)) as one."""
+    return a1 * a2, a2 * b1 + b2
 
 
 @triton.jit
 def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, NBH, NCHAIN,
-                         M: tl.constexpr, DX: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, K: tl.constexpr,
-                         REVERSE: tl.constexpr, HAS_X0: tl.constexpr):
-    """The scan in one launch: one program per (segment s of K steps, chain = tile x batch x head). It scans its
-    steps from zero (the segment's end state and decay product), waits for the carry out of segment s - 1
-    (CARRY, published by setting its flag), publishes its own carry out, then scans its steps again from the carry
-    and stores the states (the second pass re-reads its chunks from L2: the states go through DRAM once each way,
-    where a scan launch and a fixup launch read and write them twice).
+                         M: tl.constexpr, DX: tl.constexpr, DXP: tl.constexpr, BM: tl.constexpr, K: tl.constexpr,
+                         KB: tl.constexpr, REVERSE: tl.constexpr, HAS_X0: tl.constexpr):
+    """The scan in one launch: one program per (segment s of K steps, chain = BM slots of a state x batch x head).
+    It loads its steps' decays and inputs as one [KB, BM x DXP] block (KB = K and DXP = DX rounded up to powers of
+    two; every load in flight at once), scans them from zero in registers (`tl.associative_scan` of the steps as
+    affine maps along the block's rows, which each thread holds whole: per step the decay product and the state),
+    waits for the carry out of segment s - 1 (CARRY, published by setting its flag), publishes its own carry out,
+    and stores its states, the carry taken through the scanned maps. Each input and state crosses DRAM once (a
+    walk over the steps read them twice: once for the segment's carry, once to store its states; NOTES.md
+    session 19).
+
+    Step i of the walk outputs chunk i (forward: the state after it) or N - 1 - i (reverse: the state after it,
+    i.e. before step i of the walk back: the inclusive scan over the chunks after it, so step i takes the input
+    and decay of chunk N - i, and none for i = 0).
 
     Programs take tickets (FLAGS[0]) in the order they start and ticket t is (segment t // NCHAIN, chain
     t % NCHAIN), so a program only waits for one that started before it: no deadlock, however the hardware orders
@@ -93,48 +69,77 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
         tl.atomic_xchg(FLAGS, 0)
     s = ticket // NCHAIN
     chain = ticket % NCHAIN
-    NTILE: tl.constexpr = (M // BM) * ((DX + BD - 1) // BD)
-    offs_m, dmask, tile = _tile(chain % NTILE, M, DX, BM, BD)
-    bh = (chain // NTILE).to(tl.int64)
-    local = tl.arange(0, BM)[:, None] * BD + tl.arange(0, BD)[None, :]  # a tile of CARRY
-    zero = tl.zeros([BM, BD], dtype=tl.float32)
-    end, prod = _scan_segment(BIN, DEC, OUT, zero, s, N, K, bh, bh % NBH, ROWS, SHIFT, offs_m, dmask, tile, M, DX,
-                              BM, REVERSE, False)
+    NSL: tl.constexpr = (M + BM - 1) // BM
+    BE: tl.constexpr = BM * DXP
+    m0 = (chain % NSL) * BM
+    bh = (chain // NSL).to(tl.int64)
+    col = tl.arange(0, BE)  # (slot m0 + col // DXP, column col % DXP) of the state
+    slot = m0 + col // DXP
+    d = col % DXP
+    emask = (slot < M) & (d < DX)
+    e = slot * DX + d
+    k = tl.arange(0, KB)
+    i = s * K + k
+    out_ok = (k < K) & (i < N)
+    if REVERSE:
+        c_out = N - 1 - i
+        c_in = N - i
+        in_ok = out_ok & (i > 0)
+    else:
+        c_out = i
+        c_in = i
+        in_ok = out_ok
+    slots = m0 + tl.arange(0, BM)  # the decays per slot, broadcast over the slot's columns
+    dec = tl.load(DEC + ((bh % NBH) * N + c_in)[:, None] * M + slots[None, :],
+                  mask=in_ok[:, None] & (slots < M)[None, :], other=1.0)
+    dec = tl.reshape(tl.broadcast_to(dec[:, :, None], [KB, BM, DXP]), [KB, BE])
+    x_in = tl.load(BIN + ((bh * ROWS + c_in + SHIFT) * M * DX)[:, None] + e[None, :],
+                   mask=in_ok[:, None] & emask[None, :], other=0.0)
+    prods, ends = tl.associative_scan((dec, x_in), 0, _affine)
+    last = k[:, None] == KB - 1  # (padding steps are identities) the whole segment's map
+    prod = tl.sum(tl.where(last, prods, 0.0), 0)
+    end = tl.sum(tl.where(last, ends, 0.0), 0)
     link = chain.to(tl.int64) * NSEG + s  # this segment's flag and carry out
     if s == 0:
         if HAS_X0:
-            carry = tl.load(X0 + bh * M * DX + tile, mask=dmask[None, :], other=0.0).to(tl.float32)
+            carry = tl.load(X0 + bh * M * DX + e, mask=emask, other=0.0).to(tl.float32)
         else:
-            carry = zero
+            carry = tl.zeros([BE], dtype=tl.float32)
     else:
         while tl.atomic_add(FLAGS + link, 0, sem="acquire") == 0:  # FLAGS + 1 + (link - 1)
             pass
         tl.atomic_xchg(FLAGS + link, 0)
         tl.debug_barrier()  # every thread's loads after the acquire
-        carry = tl.load(CARRY + (link - 1) * BM * BD + local, cache_modifier=".cg")
+        carry = tl.load(CARRY + (link - 1) * BE + col, cache_modifier=".cg")
     if s + 1 < NSEG:
-        tl.store(CARRY + link * BM * BD + local, prod[:, None] * carry + end)
+        tl.store(CARRY + link * BE + col, prod * carry + end)
         tl.debug_barrier()  # every thread's stores before the release
         tl.atomic_xchg(FLAGS + 1 + link, 1, sem="release")
-    _scan_segment(BIN, DEC, OUT, carry, s, N, K, bh, bh % NBH, ROWS, SHIFT, offs_m, dmask, tile, M, DX, BM, REVERSE,
-                  True)
+    tl.store(OUT + ((bh * ROWS + c_out + SHIFT) * M * DX)[:, None] + e[None, :], prods * carry[None, :] + ends,
+             mask=out_ok[:, None] & emask[None, :])
 
 
-def chained_chunk_scan(bin_, dec, out, segment, tile, x0=None, reverse=False, fast=True):
+def scan_warps(slots, X):
+    """Warps of a chained-scan program of `slots` slots: one per 128 of its block's columns (32 threads x 4), so no
+    warp shares a block row with another and the scan along the rows runs within each thread."""
+    return max(1, min(8, slots * next_power_of_2(X) // 128))
+
+
+def chained_chunk_scan(bin_, dec, out, segment, slots, x0=None, reverse=False, fast=True):
     """The scan of `naive_chunk_scan` in one launch of chained segments of `segment` chunks, into `out` (may be
     `bin_`: in place).
 
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
-    tile: the (slots, columns) of one program; fast: launched by `fast_launch`."""
+    slots: state slots per program (a power of two); fast: launched by `fast_launch`."""
     nbh, n, M = dec.shape
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
-    BM, BD = tile
     nseg = cdiv(n, segment)
-    nchain = (M // BM) * cdiv(X, BD) * BH
+    nchain = cdiv(M, slots) * BH
     flags = counters(out.device, 1 + nchain * nseg)
-    carry = torch.empty(nchain, nseg, BM, BD, dtype=torch.float32, device=out.device)
+    carry = torch.empty(nchain, nseg, slots * next_power_of_2(X), dtype=torch.float32, device=out.device)
     fast_launch.launch(_chained_scan_kernel, (nchain * nseg,), bin_, dec, out, out if x0 is None else x0, carry,
-                       flags, n, nseg, rows, rows - n, nbh, nchain, M=M, DX=X, BM=BM, BD=BD, K=segment,
-                       REVERSE=reverse, HAS_X0=x0 is not None, num_warps=4, fast=fast)
+                       flags, n, nseg, rows, rows - n, nbh, nchain, M=M, DX=X, DXP=next_power_of_2(X), BM=slots,
+                       K=segment, KB=next_power_of_2(segment), REVERSE=reverse, HAS_X0=x0 is not None,
+                       num_warps=scan_warps(slots, X), fast=fast)
     return out

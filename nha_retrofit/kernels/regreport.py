@@ -90,9 +90,12 @@ def cases(HQ, H, D, M):
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
-    seg = dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), K=16, REVERSE=False)
-    out += [("chained scan", chunk_scan._chained_scan_kernel, dict(seg, HAS_X0=True), 4, 2),
-            ("chained reverse scan", chunk_scan._chained_scan_kernel, dict(seg, REVERSE=True, HAS_X0=False), 4, 2)]
+    segment = cf.CONFIG["scan_segment"] or 16
+    slots = cf.scan_slice(M, D)
+    seg = dict(M=M, DX=D, DXP=pow2(D), BM=slots, K=segment, KB=pow2(segment), REVERSE=False)
+    warps = chunk_scan.scan_warps(slots, D)
+    out += [("chained scan", chunk_scan._chained_scan_kernel, dict(seg, HAS_X0=True), warps, 2),
+            ("chained reverse scan", chunk_scan._chained_scan_kernel, dict(seg, REVERSE=True, HAS_X0=False), warps, 2)]
     auto = cf.fwd_block(G, cs)
     stages = cf.CONFIG["num_stages"]
     for cq, sprec, vprec in [(auto, "tf32x3", "tf32x3"), (auto, "bf16x3", "bf16x3"), (auto, "tf32x3", "tf32"),

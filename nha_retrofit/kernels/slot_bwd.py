@@ -48,8 +48,7 @@ import triton.language as tl
 
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
                         _chunk_cumsum, _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc,
-                        batch_strides, kv_states, launch, launched, scan_tile)
-from .chunk_scan import chained_chunk_scan
+                        batch_strides, chained_scan, kv_states, launch, launched, scan_tile)
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
@@ -91,8 +90,7 @@ def reverse_scan(cont, dec):
     out = alloc(*cont.shape, dtype=cont.dtype, device=cont.device)
     if CONFIG["scan_segment"]:  # chained segments (chunk_scan.py)
         flat = (rows, n, M, X)
-        chained_chunk_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), CONFIG["scan_segment"],
-                           scan_tile(M, X, 16), reverse=True, fast=CONFIG["fast_launch"])
+        chained_scan(cont.view(flat), dec.view(B * H, n, M), out.view(flat), reverse=True)
         launched("chained rev_scan")
         return out
     BM, BD = scan_tile(M, X, M)

@@ -3,9 +3,9 @@
 each for one state array and for two sharing their decays (the key and the value states in one launch). (The
 interpreter runs one program at a time, in ticket order: the waiting between segments runs on the GPU only.)
 
-Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks; a state tile
-narrower than the state (columns not a multiple of the tile: masked) and several slot blocks; forward scans in
-place from zero and from a carried state, reverse scans. Every output element is NaN-poisoned first. The scans
+Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks (blocks padded to
+a power of two); 4 of the 16 slots per program, 40 columns (padded to 64, masked); forward scans in place
+from zero and from a carried state, reverse scans. Every output element is NaN-poisoned first. The scans
 share their tickets and flags from one launch to the next, so each must leave them at zero.
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_chunk_scan.py   (prints OK and exits 0)
@@ -45,11 +45,11 @@ def main():
         for segment in (1, 2, 5, 64):
             with bounds_checked():
                 state = torch.cat([torch.full((BH, 1, M, X), float("nan")), b], 1)  # chunk c at row c + 1
-                chained_chunk_scan(state, dec, state, segment, (8, 32), x0=x0)
+                chained_chunk_scan(state, dec, state, segment, 4, x0=x0)
                 back = torch.full_like(b, float("nan"))
-                chained_chunk_scan(b, dec, back, segment, (8, 32), reverse=True)
+                chained_chunk_scan(b, dec, back, segment, 4, reverse=True)
                 start = torch.full_like(b, float("nan"))  # from zero, not in place
-                chained_chunk_scan(b, dec, start, segment, (8, 32))
+                chained_chunk_scan(b, dec, start, segment, 4)
             label = f"n={n} K={segment}"
             assert not workspace.counters(b.device, 1).any(), f"{label}: the scans left tickets or flags set"
             check(f"forward {label}", state[:, 1:], naive_chunk_scan(b, dec, x0))
