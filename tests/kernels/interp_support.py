@@ -6,7 +6,8 @@ machine's version) differs there, and its interpreter itself fails on recent num
 (`int()` of a one-element array in `range(NCH)`: "only 0-dimensional arrays can be converted to Python scalars"), so
 on < 3.9 the interpreter tests skip with this reason instead of failing; on >= 3.9 nothing is skipped.
 
-Also: the operator's differentiable inputs (NAMES), one forward + backward through the kernels under a CONFIG
+Under TRITON_INTERPRET=1, importing it also speeds up the interpreter's scans with a combine function
+(`_scan_by_slices`). Also: the operator's differentiable inputs (NAMES), one forward + backward through the kernels under a CONFIG
 variant and interpreter hooks (`kernels_grad`), the float64 reference of the same (`reference_grad`), and the
 subprocess a test runs a script in (`run_interp_script`).
 """
@@ -93,3 +94,32 @@ def reference_grad(x, window, scale, mask, d_o):
     xr = {n: x[n].double().requires_grad_(True) for n in NAMES}
     ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, scale, mask, xr["slot_bias"])
     return ref, torch.autograd.grad(ref, [xr[n] for n in NAMES], d_o.double())
+
+
+def _scan_by_slices(self, input):
+    """`tl.associative_scan` with a combine function under the interpreter: the same sequential scan along the axis,
+    one combine call per step on whole slices. Triton's (`ScanOps.generic_scan`) calls it once per element from
+    Python, which made the chained state scans' [16, 512] blocks take minutes per launch."""
+    import numpy as np
+
+    datas = [arg.handle.data for arg in input]
+    outs = [np.empty_like(d) for d in datas]
+    index = [slice(None)] * datas[0].ndim
+    acc = None
+    for i in range(datas[0].shape[self.axis]):
+        index[self.axis] = slice(i, i + 1)
+        step = [d[tuple(index)] for d in datas]
+        if acc is not None:
+            combined = self.combine_fn.fn(*(self.to_tensor(a, arg.dtype) for a, arg in zip(acc, input)),
+                                          *(self.to_tensor(x, arg.dtype) for x, arg in zip(step, input)))
+            step = [c.handle.data for c in (combined if isinstance(combined, tuple) else (combined,))]
+        for out, x in zip(outs, step):
+            out[tuple(index)] = x
+        acc = step
+    return [self.to_tensor(out, arg.dtype) for out, arg in zip(outs, input)]
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime import interpreter as _interpreter
+
+    _interpreter.ScanOps.generic_scan = _scan_by_slices
