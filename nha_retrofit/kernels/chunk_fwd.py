@@ -589,7 +589,7 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
     out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
-    BD = min(64, next_power_of_2(DX))
+    BD = min(CONFIG["update_columns"], next_power_of_2(DX))
     launch(
         "chunk_update", _chunk_update_kernel, (nch, B * H, S * cdiv(DX, BD)),
         x, xs[-1], log_alpha, mask, out, dec, x.stride(0), log_alpha.stride(0),
@@ -691,6 +691,8 @@ CONFIG = {
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the one-pass state scan and reverse scan (scan_segment
     # None; None: forward (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head)
+    "update_columns": 64,  # state columns per program of the chunk update (each program forms its chunk's gate
+    # sums and weights again: 128 does that half as often at D = 128, with [M, 128] fp32 tiles)
     "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
     "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
@@ -714,7 +716,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_block", "merge_kv_states", "save_logits",
+    "scan_block", "update_columns", "merge_kv_states", "save_logits",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -741,6 +743,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_one_pass": dict(scan_segment=None),
     "scan_one_pass_8x32": dict(scan_segment=None, scan_tile=(8, 32)),
     "scan_block_4096": dict(scan_block=4096),
+    "update_columns_128": dict(update_columns=128),
     "scan_segment_8": dict(scan_segment=8),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),

@@ -86,7 +86,8 @@ def cases(HQ, H, D, M):
     G = HQ // H
     cs = cf.CONFIG["chunk"]
     pow2 = triton.next_power_of_2
-    update = dict(H=H, M=M, DX=D, CSZ=cs, BD=min(64, D), PREC=cf.CONFIG["slot_precision"], ZERO_FIRST=True)
+    update = dict(H=H, M=M, DX=D, CSZ=cs, BD=min(cf.CONFIG["update_columns"], D), PREC=cf.CONFIG["slot_precision"],
+                  ZERO_FIRST=True)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
