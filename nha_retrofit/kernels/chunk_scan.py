@@ -50,9 +50,9 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
     """The scan in one launch: one program per (segment s of K steps, chain = BM slots of a state x batch x head).
     It loads its steps' decays and inputs as one [KB, BM x DXP] block (KB = K and DXP = DX rounded up to powers of
     two; every load in flight at once), scans them from zero in registers (`tl.associative_scan` of the steps as
-    affine maps along the block's rows, which each thread holds whole: per step the decay product and the state),
-    waits for the carry out of segment s - 1 (CARRY, published by setting its flag), publishes its own carry out,
-    and stores its states, the carry taken through the scanned maps. Each input and state crosses DRAM once (a
+    affine maps over the block's chunks, which each thread holds for its columns: per step the decay product and
+    the state), waits for the carry out of segment s - 1 (CARRY, published by setting its flag), publishes its own
+    carry out, and stores its states, the carry taken through the scanned maps. Each input and state crosses DRAM once (a
     walk over the steps read them twice: once for the segment's carry, once to store its states; NOTES.md
     session 19).
 
@@ -120,8 +120,9 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
 
 
 def scan_warps(slots, X):
-    """Warps of a chained-scan program of `slots` slots: one per 128 of its block's columns (32 threads x 4), so no
-    warp shares a block row with another and the scan along the rows runs within each thread."""
+    """Warps of a chained-scan program of `slots` slots: one per 128 of its block's columns (32 threads x 4), so the
+    warps split the columns, each thread holds its columns for every chunk, and the scan over the chunks runs within
+    each thread (more warps would split the chunks: the scan then crosses warps through shared memory)."""
     return max(1, min(8, slots * next_power_of_2(X) // 128))
 
 
