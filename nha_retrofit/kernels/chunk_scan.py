@@ -52,8 +52,8 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
     two; every load in flight at once), scans them from zero in registers (`tl.associative_scan` of the steps as
     affine maps over the block's chunks, which each thread holds for its columns: per step the decay product and
     the state), waits for the carry out of segment s - 1 (CARRY, published by setting its flag), publishes its own
-    carry out, and stores its states, the carry taken through the scanned maps. Each input and state crosses DRAM once (a
-    walk over the steps read them twice: once for the segment's carry, once to store its states; NOTES.md
+    carry out, and stores its states, the carry taken through the scanned maps. Each input and state crosses DRAM
+    once (a walk over the steps read them twice: once for the segment's carry, once to store its states; NOTES.md
     session 19).
 
     Step i of the walk outputs chunk i (forward: the state after it) or N - 1 - i (reverse: the state after it,
