@@ -7,9 +7,9 @@ machine's version) differs there, and its interpreter itself fails on recent num
 on < 3.9 the interpreter tests skip with this reason instead of failing; on >= 3.9 nothing is skipped.
 
 Under TRITON_INTERPRET=1, importing it also speeds up the interpreter's scans with a combine function
-(`_scan_by_slices`). Also: the operator's differentiable inputs (NAMES), one forward + backward through the kernels under a CONFIG
-variant and interpreter hooks (`kernels_grad`), the float64 reference of the same (`reference_grad`), and the
-subprocess a test runs a script in (`run_interp_script`).
+(`_scan_by_slices`). Also: the operator's differentiable inputs (NAMES), one forward + backward through the kernels
+under a CONFIG variant and interpreter hooks (`kernels_grad`), the float64 reference of the same
+(`reference_grad`), and the subprocess a test runs a script in (`run_interp_script`).
 """
 
 import contextlib
