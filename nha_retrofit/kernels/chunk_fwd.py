@@ -565,14 +565,16 @@ def chained_scan(bin_, dec, out, x0=None, reverse=False):
     """`chained_chunk_scan` at CONFIG's segment and `scan_slice` (the forward's state scan, the backward's reverse
     scan)."""
     M, X = out.shape[-2], out.shape[-1]
-    return chained_chunk_scan(bin_, dec, out, CONFIG["scan_segment"], scan_slice(M, X), x0=x0, reverse=reverse,
+    segment = CONFIG["scan_segment"]
+    return chained_chunk_scan(bin_, dec, out, segment, scan_slice(M, X, segment), x0=x0, reverse=reverse,
                               fast=CONFIG["fast_launch"])
 
 
-def scan_slice(M, DX):
-    """Slots of the [M, DX] state per program of the chained scans: CONFIG["scan_block"] elements over the
-    segment's chunks and the columns (both rounded up to powers of two), at least one, at most M rounded up."""
-    per_slot = next_power_of_2(CONFIG["scan_segment"]) * next_power_of_2(DX)
+def scan_slice(M, DX, segment):
+    """Slots of the [M, DX] state per program of the chained scans of `segment`-chunk segments: CONFIG["scan_block"]
+    elements over the segment's chunks and the columns (both rounded up to powers of two), at least one, at most M
+    rounded up."""
+    per_slot = next_power_of_2(segment) * next_power_of_2(DX)
     return min(max(CONFIG["scan_block"] // per_slot, 1), next_power_of_2(M))
 
 

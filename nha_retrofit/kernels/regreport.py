@@ -92,7 +92,7 @@ def cases(HQ, H, D, M):
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     segment = cf.CONFIG["scan_segment"] or 16
-    slots = cf.scan_slice(M, D)
+    slots = cf.scan_slice(M, D, segment)
     seg = dict(M=M, DX=D, DXP=pow2(D), BM=slots, K=segment, KB=pow2(segment), REVERSE=False)
     warps = chunk_scan.scan_warps(slots, D)
     out += [("chained scan", chunk_scan._chained_scan_kernel, dict(seg, HAS_X0=True), warps, 2),
