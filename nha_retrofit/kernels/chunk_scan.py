@@ -2,8 +2,8 @@
 
 The forward needs the state before every chunk (`slot_states`: inclusive, in place over the chunk updates); the
 slot backward needs the state gradient after every chunk (`reverse_scan`: exclusive, from the last chunk back).
-A scan over n chunks is a chain of n dependent steps (a walk waits ~0.45 us per step for its load on the H200:
-0.23-0.76 ms at 32K, n = 512, however many programs run). `chained_chunk_scan` cuts the chain into segments of K
+A scan over n chunks is a chain of n dependent steps (one program walking all of them took 0.23-0.76 ms at 32K on
+the H200, n = 512, however many programs ran). `chained_chunk_scan` cuts the chain into segments of K
 chunks, each loaded as one block and scanned from zero in registers; only the segments' carries pass from one to
 the next, in one launch: each segment's program waits for its predecessor's carry and stores its states through
 it, so the states cross DRAM once each way. (Its first form, a segment scan launch and a fixup launch, moved them
