@@ -103,6 +103,17 @@ def batch_strides(p, do):
 
 
 @triton.jit
+def _real(MASK, b, T, j, valid):
+    """valid & whether tokens j of sequence b are real under the attention mask MASK [B, T] (int32). MASK None (no
+    mask: every token real) is a constexpr, so that specialization loads nothing."""
+    if MASK is None:  # (one return after the branches: Triton compiles the code after a returning branch too)
+        real = valid
+    else:
+        real = valid & (tl.load(MASK + b * T + j, mask=valid, other=0) > 0)
+    return real
+
+
+@triton.jit
 def _chunk_update_kernel(
     X, X2, G, MASK, U, DEC,
     sx_b, sg_b, T, W, NCH,
@@ -127,8 +138,7 @@ def _chunk_update_kernel(
     dmask = offs_d < DX
     j = c * CSZ - W + offs_j
     jv = (j >= 0) & (j < T - W)
-    real = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
-    jr = jv & real
+    jr = _real(MASK, b, T, j, jv)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None], other=0.0)
     a = _chunk_cumsum(g, CSZ)
@@ -247,7 +257,7 @@ def _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, first_head, T, W, CQB: 
         i = tl.arange(0, BK)
         j = t0 + i - W
         jv = (i < CQB) & (j >= 0) & (j < T - W)
-    jr = jv & (tl.load(MASK + b * T + j, mask=jv, other=0) > 0)
+    jr = _real(MASK, b, T, j, jv)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None] & (offs_m < M)[None, :], other=0.0)
     if SCAN:
@@ -299,7 +309,9 @@ def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen
     [rows, MT] (cum: the block's summed log gates up to j, updated), and its write weight s_j [MT] (M slots,
     zero gates in the padding of a slot tile MT >= M)."""
     offs_m = tl.arange(0, MT)
-    ok = (j >= 0) & (j < T - W) & (tl.load(MASK + b * T + tl.minimum(tl.maximum(j, 0), T - 1)) > 0)
+    ok = (j >= 0) & (j < T - W)
+    if MASK is not None:
+        ok = ok & (tl.load(MASK + b * T + tl.minimum(tl.maximum(j, 0), T - 1)) > 0)
     jc = tl.where(ok, j, 0).to(tl.int64)  # a valid address either way (no scalar masks: the interpreter lacks them)
     g = tl.where(ok, tl.load(G + b * sg_b + jc * sg_t + h * sg_h + offs_m, mask=offs_m < M, other=0.0).to(tl.float32),
                  0.0)
@@ -351,9 +363,8 @@ def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_
         jin = j < hi
         kr = tl.load(KR + b * sk_b + j[:, None].to(tl.int64) * sk_t + h * sk_h + offs_d[None, :],
                      mask=jin[:, None], other=0.0)
-        kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
         s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
-        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :]
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & _real(MASK, b, T, j, jin)[None, :]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -398,8 +409,7 @@ def _fwd_kernel(
     hq = h * GQ + gh
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
-    q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
-    active = tv & q_real
+    active = _real(MASK, b, T, t, tv)
     row_off = b * sq_b + t.to(tl.int64) * sq_t + hq * D  # q, q_rope share strides
 
     m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
@@ -419,8 +429,7 @@ def _fwd_kernel(
         j = u - W
         ul = off + tok  # row's stream position inside the chunk
         jv = (j >= 0) & (j < T - W) & (offs_u < off + CQB)
-        jreal = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
-        jr = jv & jreal
+        jr = _real(MASK, b, T, j, jv)
         offs_m = tl.arange(0, MT)  # MT >= M: the padding slots have zero gates and states and -inf logits
         slots = offs_m < M
         g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
@@ -526,7 +535,7 @@ class Prepared:
         self.W = self.T if window is None else int(window)
         dev = q.device
         if attention_mask is None:  # every token real: the first real one is 0 (no launches: cached fills)
-            self.mask = constant((self.B, self.T), 1, torch.int32, dev)
+            self.mask = None if CONFIG["maskless"] else constant((self.B, self.T), 1, torch.int32, dev)
             self.first = constant((self.B,), 0, torch.int32, dev)
         else:
             self.mask = attention_mask[:, -self.T:].to(torch.int32).contiguous()
@@ -578,6 +587,12 @@ def scan_slice(M, DX, segment):
     return min(max(CONFIG["scan_block"] // per_slot, 1), next_power_of_2(M))
 
 
+def update_columns(M, DX):
+    """State columns per program of the chunk update: CONFIG["update_block"] elements over the M slots (rounded up to
+    a power of two), at least 16 (the smallest product tile), at most DX rounded up."""
+    return min(max(CONFIG["update_block"] // next_power_of_2(M), 16), next_power_of_2(DX))
+
+
 def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, chunk=None):
     """Slot states before each stream chunk of `chunk` tokens (CONFIG["chunk"] by default; nch = T / chunk
     rounded up), and the final ones, of the S inputs `xs` ([B, T, H, DX] each, one layout: S = 2 runs the key and
@@ -591,7 +606,7 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
     out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
     dec = torch.empty(B, H, nch, M, dtype=torch.float32, device=x.device)
-    BD = min(CONFIG["update_columns"], next_power_of_2(DX))
+    BD = update_columns(M, DX)
     launch(
         "chunk_update", _chunk_update_kernel, (nch, B * H, S * cdiv(DX, BD)),
         x, xs[-1], log_alpha, mask, out, dec, x.stride(0), log_alpha.stride(0),
@@ -693,8 +708,9 @@ CONFIG = {
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the one-pass state scan and reverse scan (scan_segment
     # None; None: forward (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head)
-    "update_columns": 64,  # state columns per program of the chunk update (each program forms its chunk's gate
-    # sums and weights again: 128 does that half as often at D = 128, with [M, 128] fp32 tiles)
+    "update_block": 8192,  # state elements (slots x columns) per program of the chunk update: each program forms
+    # its chunk's gate sums and weights again, so wider blocks do that less often; 128 columns at M=64 was 0.07 ms
+    # faster per 32K forward than 64 on the H200 (NOTES.md session 20)
     "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
     "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
@@ -709,6 +725,8 @@ CONFIG = {
     # fp32 (G x CS / 2D of the states' memory at CS-token chunks: half at the Llama-3-8B shape, 256 MiB per layer
     # at 32K) and the rows kernel loads them instead of forming q against the states and the chunk's keys again;
     # False recomputes them
+    "maskless": True,  # without an attention mask the kernels get MASK = None, a specialization that loads no mask
+    # (False: an all-ones mask, loaded as with padding)
     "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
     # time per launch in Triton 3.6)
     "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
@@ -718,7 +736,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_block", "update_columns", "merge_kv_states", "save_logits",
+    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -745,7 +763,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_one_pass": dict(scan_segment=None),
     "scan_one_pass_8x32": dict(scan_segment=None, scan_tile=(8, 32)),
     "scan_block_4096": dict(scan_block=4096),
-    "update_columns_128": dict(update_columns=128),
+    "update_block_4096": dict(update_block=4096),  # the default before session 20
+    "ones_mask": dict(maskless=False),  # the default before session 20
     "scan_segment_8": dict(scan_segment=8),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),

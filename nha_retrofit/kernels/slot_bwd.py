@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _chunk_cumsum, _cumsum_row, _query_rows, _row_decay, _row_stats, _token_strides, alloc,
+                        _chunk_cumsum, _cumsum_row, _query_rows, _real, _row_decay, _row_stats, _token_strides, alloc,
                         batch_strides, chained_scan, kv_states, launch, launched, scan_tile)
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -107,8 +107,7 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
     u = cs0 + offs_u
     j = u - W
     jv = (j >= 0) & (j < T - W) & (u < limit_u)
-    jreal = tl.load(MASK + b * T + j, mask=jv, other=0) > 0
-    jr = jv & jreal
+    jr = _real(MASK, b, T, j, jv)
     offs_m = tl.arange(0, M)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None], other=0.0)
@@ -310,9 +309,8 @@ def _rows_kernel(
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
-    q_real = tl.load(MASK + b * T + t, mask=tv, other=0) > 0
     first = tl.load(FIRST + b)
-    readable = tv & q_real & (t - W >= first)
+    readable = _real(MASK, b, T, t, tv) & (t - W >= first)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
     lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
@@ -493,7 +491,7 @@ def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, T, W, NCH, L,
     dla = tl.cumsum(tl.load(DA + off), axis=0, reverse=True) + carry[None, :] + tl.load(XA + off)
     j = u - W
     inside = (j >= 0) & (j < T - W)
-    real = tl.load(MASK + b * T + j, mask=inside, other=0) > 0
+    real = _real(MASK, b, T, j, inside)
     tl.store(DLA + b * sd_b + j[:, None].to(tl.int64) * sd_t + h * sd_h + offs_m[None, :],
              tl.where(real[:, None], dla, 0.0).to(DLA.dtype.element_ty), mask=inside[:, None])
     _store_tail_zeros(DLA, b, h, sd_b, sd_t, sd_h, offs_m, c * CSZ, T, W, CSZ, BM)

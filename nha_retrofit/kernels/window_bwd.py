@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import chunk_fwd
-from .chunk_fwd import _query_rows, _row_stats, _token_strides
+from .chunk_fwd import _query_rows, _real, _row_stats, _token_strides
 from .fast_launch import cdiv, next_power_of_2
 
 CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
@@ -54,9 +54,8 @@ def _dq_kernel(
                      mask=jin[:, None], other=0.0)
         vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                      mask=jin[:, None], other=0.0)
-        kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
         s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
-        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :]
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & _real(MASK, b, T, j, jin)[None, :]
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
         if DELTA_ONLY:
@@ -94,7 +93,7 @@ def _dkv_kernel(
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     kr = tl.load(KR + krow[:, None] + offs_d[None, :], mask=jin[:, None], other=0.0)
     vv = tl.load(V + vrow[:, None] + offs_dv[None, :], mask=jin[:, None], other=0.0)
-    kreal = tl.load(MASK + b * T + j, mask=jin, other=0) > 0
+    key_real = _real(MASK, b, T, j, jin)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, DV], dtype=tl.float32)
     r = tl.arange(0, BR)
@@ -112,7 +111,7 @@ def _dkv_kernel(
         do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
         lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
         s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
-        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & (jin & kreal)[None, :] & tv[:, None]
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & key_real[None, :] & tv[:, None]
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
         if HIGH:
             dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="tf32")

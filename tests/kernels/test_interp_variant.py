@@ -28,7 +28,10 @@ CASES = [
     ("slot_bwd_block8", (90, 4, 2, 64, 32, 3, 2, "float32", 1.0, "random", "left")),
     # decay 2: factored and direct query blocks (CONFIG["block_factor_limit"]) mixed in one run
     ("defaults", (130, 4, 2, 64, 64, 64, 1, "float32", 2.0, "random", "left")),
-    ("defaults", (100, 4, 2, 64, 64, 30, 2, "float32", 1.0, "random", "none")),  # no attention mask
+    # no attention mask: the kernels' maskless specialization (MASK None), and an all-ones mask loaded as before
+    ("defaults", (100, 4, 2, 64, 64, 30, 2, "float32", 1.0, "random", "none")),
+    ("defaults", (130, 8, 2, 128, 64, 40, 1, "bfloat16", 2.0, "real_like", "none")),
+    ("ones_mask", (100, 4, 2, 64, 64, 30, 2, "float32", 1.0, "random", "none")),
     ("defaults", (50, 4, 2, 64, 32, 64, 2, "float32", 1.0, "random", "left")),  # window >= T: no slot half
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
     ("fwd_window_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),

@@ -414,7 +414,7 @@ def test_shape_sweep_matches_float64_reference(shape):
 VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states", "recompute_logits",
     "train_chunk64", "slot_bwd_8warps", "slot_bwd_block8", "slot_bwd_split_keys", "fwd_window_first", "tf32x3",
-    "tf32x3_window_first", "scan_one_pass_8x32", "scan_block_4096", "update_columns_128",
+    "tf32x3_window_first", "scan_one_pass_8x32", "scan_block_4096", "update_block_4096", "ones_mask",
     "slot_bwd_keys_8warps", "slot_bwd_block32", "keys_da_32slots",
     "fwd_block16", "window_bwd_block32", "window_bwd_block16", "slot_bwd_rows32", "slot_bwd_rows8",
     "slot_bwd_rows32_4warps", "slot_bwd_keys_block8", "slot_bwd_columns128_8warps", "separate_kv_states",
