@@ -63,7 +63,7 @@ DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_block8,slot_bwd_block32,keys_da_32sl
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,window_bwd_block32,window_bwd_block16,slot_bwd_rows32,slot_bwd_rows8,slot_bwd_rows32_4warps
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_rows16_8warps,slot_bwd_keys_block8,slot_bwd_columns64
 DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_columns128_8warps,separate_kv_states,slot_bwd_split_keys,fwd_stages2
-DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_stages2,keys_da_8warps,keys_da_rows_block,keys_separate,keys_merged_4warps
+DEFAULT_VARIANTS=$DEFAULT_VARIANTS,slot_bwd_stages1,keys_da_8warps,keys_da_rows_block,keys_separate,keys_merged_4warps
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 step tests "${CAP_TESTS:-160}" env NHA_KERNEL_SYNC=1 $PY "${PT[@]}" tests/kernels -k "not config_variants"
 if [ -n "${GSA_WARM_PID:-}" ]; then  # no timing beside the warm-up: let it finish (or give up) first

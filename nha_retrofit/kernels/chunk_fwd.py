@@ -675,8 +675,12 @@ CONFIG = {
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
-    "slot_bwd_stages": 1,  # software-pipelining stages of its kernels (their loops over row blocks load Wk, Wv,
-    # q and dO tiles per iteration; 2 prefetches the next block's into shared memory)
+    "slot_bwd_stages": 2,  # software-pipelining stages of its kernels (their loops over row blocks load Wk, Wv,
+    # q and dO tiles per iteration; 2 prefetches the next block's into shared memory): 2 was 0.18-0.2 ms faster per
+    # 32K step than 1 on the H200 once the kernels lost their mask loads (NOTES.md session 20)
+    "slot_bwd_stages_block": 8192,  # ... for row blocks of at most this many rows x head-dim elements, 1 stage
+    # above: at 128 rows x 128 (8 query heads per kv head) the merged key kernel needs 240 KB of shared memory with
+    # 2 stages, more than the H200's 227 KB
     "slot_bwd_rows_block": 16,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
     # loads the chunk's [M, D] states, as the forward's do): with the logits formed in the kernel 32 tokens with 8
     # warps were 0.2-0.3 ms faster per 32K step than 16 with 4 on the H200 (NOTES.md session 7); with the forward's
@@ -782,7 +786,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
     "slot_bwd_columns64": dict(slot_bwd_columns=None),
     "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
-    "slot_bwd_stages2": dict(slot_bwd_stages=2),
+    "slot_bwd_stages1": dict(slot_bwd_stages=1),  # the default before session 20
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4), slot_bwd_keys_merged_warps=None),

@@ -662,6 +662,12 @@ def register_cap(kernel):
     return dict(maxnreg=cap) if cap else {}
 
 
+def pipeline_stages(rows, dim):
+    """Software-pipelining stages of a slot-backward kernel with [rows, dim] row blocks (CONFIG["slot_bwd_stages"],
+    or 1 above CONFIG["slot_bwd_stages_block"] elements, where 2 stages overflow the shared memory)."""
+    return CONFIG["slot_bwd_stages"] if rows * dim <= CONFIG["slot_bwd_stages_block"] else 1
+
+
 def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias or None without `bias_grad`); dq, dk and
     dlog_alpha in the inputs' dtypes (stored once, rounded in the kernel), dv and dslot_bias fp32.
@@ -691,10 +697,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
     wv = alloc(B, T, HQ, M, dtype=f32, device=dev)
     strides = batch_strides(p, do)
     common = dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=CS, BR=BR, BD=bd_, SPREC=sprec,
-                  LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=CONFIG["slot_bwd_stages"])
+                  LIMIT=CONFIG["block_factor_limit"], num_warps=warps, num_stages=pipeline_stages(BR, max(D, DV)))
     keys_common = dict(common, num_warps=CONFIG["slot_bwd_keys_warps"] or warps)  # keys and keys_da kernels
-    rows_common = dict(common, CQB=rows_bq, BR=max(16, next_power_of_2(rows_bq * G)),
-                       num_warps=CONFIG["slot_bwd_rows_warps"] or warps, **register_cap("rows"))
+    rows_br = max(16, next_power_of_2(rows_bq * G))
+    rows_common = dict(common, CQB=rows_bq, BR=rows_br, num_warps=CONFIG["slot_bwd_rows_warps"] or warps,
+                       num_stages=pipeline_stages(rows_br, max(D, DV)), **register_cap("rows"))
     # the column-split kernels (state_grad, keys): each program recomputes its row blocks' [rows, CS] weights
     cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
     cols = min(cols, D, DV)
