@@ -199,7 +199,7 @@ def parts(T=32768, w=64):
     """Time each stage of the NHA kernel path separately (forward stages, window backward, slot backward)."""
     from nha_retrofit.kernels import chunk_fwd
     from nha_retrofit.kernels.slot_bwd import slot_backward_triton
-    from nha_retrofit.kernels.window_bwd import window_backward, window_delta
+    from nha_retrofit.kernels.window_bwd import window_delta, window_dkv, window_dq
 
     x = nha_inputs(T, False)
     prepare = lambda window, training=False: chunk_fwd.Prepared(  # noqa: E731
@@ -215,15 +215,23 @@ def parts(T=32768, w=64):
         with mock.patch.object(chunk_fwd, "kv_states", lambda *args, **kwargs: states):
             out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
     p = prepare(w, True)  # the backward stages as training runs them (CONFIG["train_chunk"])
-    out["fwd total, training chunks"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True, keep_logits=True))
-    o, lse, states = chunk_fwd.forward(p, D**-0.5, True, keep_logits=True)
+    exact = chunk_fwd.CONFIG["delta_from_output"]
+    out["fwd total, training chunks"] = bench(
+        lambda: chunk_fwd.forward(p, D**-0.5, True, keep_logits=True, exact_output=exact))
+    o, lse, states, residual = chunk_fwd.forward(p, D**-0.5, True, keep_logits=True, exact_output=exact)
     do = torch.randn_like(o)
-    out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
-    delta = window_delta(p, do, lse, D**-0.5)
-    out["slot bwd, states recomputed"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5))
-    out["slot bwd, states given"] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5, states))
-    slot_backward_triton(p, do, lse, delta, D**-0.5)  # completes delta with the slot share
-    out["window bwd"] = bench(lambda: window_backward(p, do, lse, delta, D**-0.5))
+    delta = torch.empty_like(lse)
+    if exact:  # the window dq kernel forms delta = rowsum(dO * O) first
+        out["window dq, delta formed"] = bench(lambda: window_dq(p, do, lse, delta, D**-0.5, (o, residual)))
+    else:  # a delta pass over the window; the slot backward adds the slot share
+        out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
+        delta = window_delta(p, do, lse, D**-0.5)
+    for name, given in (("slot bwd, states recomputed", None), ("slot bwd, states given", states)):
+        out[name] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5, given, delta_whole=exact))
+    slot_backward_triton(p, do, lse, delta, D**-0.5, delta_whole=exact)  # completes delta unless it is whole
+    if not exact:
+        out["window dq"] = bench(lambda: window_dq(p, do, lse, delta, D**-0.5))
+    out["window dkv"] = bench(lambda: window_dkv(p, do, lse, delta, D**-0.5))
     for k, v in out.items():
         print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
     return out

@@ -5,7 +5,7 @@ import torch
 from ..modeling.nha_state import NHAState
 from . import chunk_fwd
 from .slot_bwd import slot_backward_triton
-from .window_bwd import window_backward, window_delta
+from .window_bwd import window_delta, window_dkv, window_dq
 
 
 # The kernels form element offsets as a batch index times a batch stride in int32: a call whose largest
@@ -43,34 +43,46 @@ class _NHAFunction(torch.autograd.Function):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
         has_slots = _has_slots(prep)
         keep_states = has_slots and chunk_fwd.CONFIG["save_states"] and training
-        o, lse, states = chunk_fwd.forward(prep, scale, has_slots, keep_logits=keep_states)
+        # the backward's delta = rowsum(dO * O) from an fp32-accurate output (formed in the window dq kernel, so
+        # with a window), else by a delta pass over the window and the slot share
+        exact_output = has_slots and prep.W > 0 and training and chunk_fwd.CONFIG["delta_from_output"]
+        o, lse, states, residual = chunk_fwd.forward(prep, scale, has_slots, keep_logits=keep_states,
+                                                     exact_output=exact_output)
         keep = states if keep_states else ()
         # every tensor the backward reads goes through save_for_backward (none on ctx attributes), so gradient
         # checkpointing (its saved-tensor hooks) frees them after the forward and recomputes them
-        ctx.save_for_backward(lse, *prep.tensors(), *keep)
+        ctx.save_for_backward(lse, o if exact_output else None, residual, *prep.tensors(), *keep)
         ctx.prep = prep.with_tensors((None,) * len(prep.TENSORS))
         ctx.scale, ctx.has_slots = scale, has_slots
         return o
 
     @staticmethod
     def backward(ctx, do):
-        lse, *saved = ctx.saved_tensors
+        lse, o, residual, *saved = ctx.saved_tensors
         n = len(ctx.prep.TENSORS)
         p, scale = ctx.prep.with_tensors(saved[:n]), ctx.scale
         states = tuple(saved[n:]) or None
         do = do.contiguous()
-        # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): the window share here, the slot
-        # backward adds its share in place
-        delta = window_delta(p, do, lse, scale)
+        # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): rowsum(dO * O) of the forward's
+        # fp32-accurate output, formed by the window dq kernel; or the window share here and the slot share
+        # added by the slot backward
+        exact = o is not None
+        if exact:
+            delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
+            dqr = window_dq(p, do, lse, delta, scale, (o, residual))
+        else:
+            delta = window_delta(p, do, lse, scale)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
         bias_grad = ctx.needs_input_grad[6]
         if ctx.has_slots:
-            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad)
+            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad, exact)
         else:  # every position sees its whole past through the window
             dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
             dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ) if bias_grad else None
         if p.W > 0:
-            dqr, dkr, dv_w = window_backward(p, do, lse, delta, scale)
+            if not exact:
+                dqr = window_dq(p, do, lse, delta, scale)
+            dkr, dv_w = window_dkv(p, do, lse, delta, scale)
             dv = torch.add(dv, dv_w, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
         else:
             dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
@@ -115,7 +127,7 @@ def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, atten
     filled0 = initial_state.slots_filled
     has_slots = _has_slots(prep, bool(filled0.any()))
     carried = bool(filled0.any())
-    o, _, states = chunk_fwd.forward(
+    o, _, states, _ = chunk_fwd.forward(
         prep, scale, has_slots,
         initial_keys=initial_state.slot_keys if carried else None,
         initial_values=initial_state.slot_values if carried else None,

@@ -38,7 +38,7 @@ import triton.language as tl
 from . import fast_launch
 from .chunk_scan import chained_chunk_scan
 from .fast_launch import cdiv, next_power_of_2
-from .products import dot_f32, dot_xa, dot_xb, product_precision
+from .products import dot_f32, dot_hilo, dot_xa, dot_xb, product_precision
 
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check
 
@@ -206,10 +206,14 @@ def _query_rows(T, H: tl.constexpr, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.
 
 @triton.jit
 def _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ: tl.constexpr):
-    """Index lrow of the rows in [B, T, HQ] statistics, and their log-sum-exp and delta (backward kernels)."""
+    """Index lrow of the rows in [B, T, HQ] statistics, and their log-sum-exp and delta (backward kernels; zeros
+    for DELTA None)."""
     lrow = (b * T + t).to(tl.int64) * HQ + hq
     lse = tl.load(LSE + lrow, mask=tv, other=float("inf"))
-    delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
+    if DELTA is None:
+        delta = tl.zeros_like(lse)
+    else:
+        delta = tl.load(DELTA + lrow, mask=tv, other=0.0)
     return lrow, lse, delta
 
 
@@ -339,17 +343,28 @@ def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, B
 
 
 @triton.jit
-def _read_values(acc, pc, wm, SVP, VP, jr, slots, cols, PREC: tl.constexpr, VPREC: tl.constexpr):
+def _read_values(acc, pc, wm, SVP, VP, jr, slots, cols, PREC: tl.constexpr, VPREC: tl.constexpr,
+                 SPLIT: tl.constexpr):
     """acc[:, cols] + pc . Sv[:, cols] (carried state, rows `slots` real) + wm . v[:, cols] (the chunk's tokens)."""
     acc += dot_f32(pc, tl.load(SVP + cols[None, :], mask=slots[:, None], other=0.0), VPREC)
     vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
-    return acc + tl.dot(wm.to(vj.dtype), vj, input_precision=PREC)
+    return acc + _weights_values(wm, vj, PREC, SPLIT)
+
+
+@triton.jit
+def _weights_values(w, v, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """w . v for fp32 weights w and the input values v: w rounded to v's dtype, or with SPLIT split into hi + lo
+    (`dot_hilo`), so a training forward's fp32 output is the exact sum P . V that the backward's delta needs."""
+    if SPLIT:
+        return dot_hilo(w, v)
+    else:
+        return tl.dot(w.to(v.dtype), v, input_precision=PREC)
 
 
 @triton.jit
 def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_i, acc,
                  sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D: tl.constexpr, DV: tl.constexpr, CQB: tl.constexpr,
-                 BN: tl.constexpr, PREC: tl.constexpr):
+                 BN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     """The sliding-window keys max(0, t-W+1) .. t of the block's rows, merged into the online softmax state
     (m_i, l_i, acc) flash-style."""
     offs_d = tl.arange(0, D)
@@ -373,14 +388,24 @@ def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                      mask=jin[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+        acc = acc * alpha[:, None] + _weights_values(p, vv, PREC, SPLIT)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
+def _store_rounded(O, ORES, o_off, cols, out, tv):
+    """o[:, cols] = out rounded to o's dtype, and with ORES the rounding residual (o + residual ~ out)."""
+    rounded = out.to(O.dtype.element_ty)
+    tl.store(O + o_off[:, None] + cols[None, :], rounded, mask=tv[:, None])
+    if ORES is not None:
+        residual = (out - rounded.to(tl.float32)).to(ORES.dtype.element_ty)
+        tl.store(ORES + o_off[:, None] + cols[None, :], residual, mask=tv[:, None])
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, LSE, LOGITS,
+    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, ORES, LSE, LOGITS,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
@@ -391,7 +416,10 @@ def _fwd_kernel(
 ):
     """o and the joint log-sum-exp of a block of query rows (module docstring); with STORE_LOGITS also the scaled
     slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads instead
-    of forming them again."""
+    of forming them again. With ORES (a training forward in bf16/fp16) the weights' products with the input values
+    are split (`_weights_values`) and ORES gets o's rounding residual: o + ORES is the fp32 output, from which the
+    backward takes delta = rowsum(dO * O)."""
+    SPLIT: tl.constexpr = ORES is not None
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     # the rows of `_query_rows`, inline: the helper's order of the index arithmetic changes this kernel's SASS
@@ -419,7 +447,7 @@ def _fwd_kernel(
     if HAS_WINDOW:
         if not SLOTS_FIRST:
             m_i, l_i, acc = _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_i, acc,
-                                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D, DV, CQB, BN, PREC)
+                                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D, DV, CQB, BN, PREC, SPLIT)
     if HAS_SLOTS:
         c = t0 // CSZ
         cs0 = c * CSZ
@@ -488,23 +516,29 @@ def _fwd_kernel(
         if DV == 2 * BDS:  # the value read in two column halves of acc
             halves = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BDS]), [0, 2, 1]))
             cols = tl.arange(0, BDS)
-            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, slots, cols, PREC, VPREC)
-            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, slots, BDS + cols, PREC, VPREC)
+            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, slots, cols, PREC, VPREC, SPLIT)
+            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, slots, BDS + cols, PREC, VPREC, SPLIT)
             acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
-            acc = _read_values(acc, pc, wm, svp, vp, jr, slots, offs_dv, PREC, VPREC)
+            acc = _read_values(acc, pc, wm, svp, vp, jr, slots, offs_dv, PREC, VPREC, SPLIT)
 
     if HAS_WINDOW:
         if SLOTS_FIRST:  # the window after the slot part: its tiles are not live while the slot part runs
             m_i, l_i, acc = _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_i, acc,
-                                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D, DV, CQB, BN, PREC)
+                                         sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, D, DV, CQB, BN, PREC, SPLIT)
 
     ok = active & (l_i > 0)
     l_safe = tl.where(ok, l_i, 1.0)
     out = tl.where(ok[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(ok, m_i + tl.log(l_safe), float("inf"))
     o_off = b * so_b + t.to(tl.int64) * so_t + hq * DV
-    tl.store(O + o_off[:, None] + offs_dv[None, :], out.to(O.dtype.element_ty), mask=tv[:, None])
+    if SPLIT and DV == 2 * BDS:  # o and its residual by column halves (fewer live registers)
+        halves = tl.split(tl.permute(tl.reshape(out, [BR, 2, BDS]), [0, 2, 1]))
+        cols = tl.arange(0, BDS)
+        _store_rounded(O, ORES, o_off, cols, halves[0], tv)
+        _store_rounded(O, ORES, o_off, BDS + cols, halves[1], tv)
+    else:
+        _store_rounded(O, ORES, o_off, offs_dv, out, tv)
     tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
 
 
@@ -663,7 +697,7 @@ CONFIG = {
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
     "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
-    # o, since the backward recomputes delta exactly: only the logits must match the backward's)
+    # o alone, but with delta_from_output the backward's delta comes from o, which must then be fp32-accurate)
     "fwd_min_slot_tile": 64,  # the fused kernel's slot tiles are at least this wide (padding slots masked):
     # with 16 or 32 slots, D = 64 and 3-4 query heads per kv head, Triton 3.6 miscompiled it on the H200
     # (compute-sanitizer: an out-of-bounds shared-memory read in a slot product; wrong output or a fault;
@@ -705,8 +739,9 @@ CONFIG = {
     # rounding alike: fp32 error 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
     "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
     # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
-    "window_bwd_block": 32,  # query tokens per block of the window backward's dq and delta kernels (None:
-    # window_bwd.CQ = 16; 32 was ~0.1 ms faster per 32K step on the H200)
+    "window_bwd_block": 16,  # query tokens per block of the window backward's dq and delta kernels (None:
+    # window_bwd.CQ = 16): 32 was ~0.1 ms faster per 32K step on the H200 with a delta pass; since the dq kernel
+    # forms delta from the forward's output (delta_from_output) 16 is 0.08 ms faster (NOTES.md session 21)
     "window_dkv_block": 16,  # ... of its dkv kernel (None: window_bwd_block; at 32 its smem is 137 KB)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
@@ -729,6 +764,11 @@ CONFIG = {
     # fp32 (G x CS / 2D of the states' memory at CS-token chunks: half at the Llama-3-8B shape, 256 MiB per layer
     # at 32K) and the rows kernel loads them instead of forming q against the states and the chunk's keys again;
     # False recomputes them
+    "delta_from_output": True,  # a training forward keeps its output to fp32 accuracy (bf16/fp16: the window's
+    # and the chunk tokens' weights split hi + lo in their products with v, and o's rounding residual stored), so
+    # the window dq kernel forms delta = rowsum(dO * O) first (with a window; 0.19 ms less per 32K step on the
+    # H200, NOTES.md session 21); False: a delta pass over the window forms the window share of sum P * dP and the
+    # slot backward's rows kernel adds the slot share
     "maskless": True,  # without an attention mask the kernels get MASK = None, a specialization that loads no mask
     # (False: an all-ones mask, loaded as with padding)
     "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
@@ -740,7 +780,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
+    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless", "delta_from_output",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -769,11 +809,13 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_block_4096": dict(scan_block=4096),
     "update_block_4096": dict(update_block=4096),  # the default before session 20
     "ones_mask": dict(maskless=False),  # the default before session 20
+    "delta_pass": dict(delta_from_output=False),  # the default before session 21
     "scan_segment_8": dict(scan_segment=8),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
     "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),
+    "window_dq_block32": dict(window_bwd_block=32),  # the default before session 21
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_keys_merged_warps=None),
     "slot_bwd_block8": dict(slot_bwd_block=8),
@@ -825,10 +867,13 @@ def fwd_warps(rows, dim):
     return 4 if rows * dim < 32 * 128 else CONFIG["num_warps_64"] if rows <= 64 else CONFIG["num_warps_128"]
 
 
-def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, keep_logits=False):
-    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log) and, with slots, what the slot backward can reuse:
+def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, keep_logits=False,
+            exact_output=False):
+    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), with slots what the slot backward can reuse:
     (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and CONFIG["save_logits"], else
-    None) the scaled slot logits before the bias [B, T, HQ, M] fp32."""
+    None) the scaled slot logits before the bias [B, T, HQ, M] fp32; and o's rounding residual: with
+    `exact_output` and bf16/fp16 inputs, o + residual is the fp32 output formed from unrounded weights (else
+    None)."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
@@ -842,6 +887,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     store_logits = has_slots and keep_logits and CONFIG["save_logits"]
     logits = alloc(B, T, HQ, M, dtype=torch.float32, device=dev) if store_logits else None
+    residual = alloc(B, T, HQ, DV, dtype=o.dtype, device=dev) if exact_output and o.dtype != torch.float32 else None
     cq = fwd_block(G, p.cs)
     assert p.cs % cq == 0, "the fused forward's query blocks must divide the chunk"
     BR = max(16, next_power_of_2(cq * G))
@@ -851,7 +897,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     launch(
         "fused forward", _fwd_kernel, grid,
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, o, lse, logits if store_logits else lse, *batch_strides(p, o),
+        p.bias, sk, sv, o, residual, lse, logits if store_logits else lse, *batch_strides(p, o),
         T, p.W, p.nch, float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
@@ -859,4 +905,4 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits,
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
-    return o, lse, ((sk, sv, dec, logits) if has_slots else None)
+    return o, lse, ((sk, sv, dec, logits) if has_slots else None), residual

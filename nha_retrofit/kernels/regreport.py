@@ -7,7 +7,7 @@ With --sass also each kernel's static instruction mix (nvdisasm, bundled too): i
 against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills (LDL, STL),
 which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17).
 
-    python -m nha_retrofit.kernels.regreport [--quick] [--slot-bwd] [--sass]
+    python -m nha_retrofit.kernels.regreport [--quick] [--slot-bwd] [--sass] [--match TEXT]
 """
 
 import os
@@ -27,7 +27,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 MIX = ("HMMA", "HGMMA", "STS", "LDS", "LDSM", "BAR", "LDG", "STG", "LDL", "STL", "F2FP", "SHFL", "MUFU")
 BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
-POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, WK=F32, WV=F32, WKR=BF, WLA=F32,
+POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, ORES=BF, WK=F32, WV=F32, WKR=BF, WLA=F32,
                 MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32, NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
@@ -106,7 +106,7 @@ def cases(HQ, H, D, M):
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, cf.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
                       BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
-                      LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False)
+                      LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
@@ -115,16 +115,21 @@ def cases(HQ, H, D, M):
     train_cs = cf.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
     cq = cf.fwd_block(G, train_cs)
-    out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel,
-                dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True),
+    training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True)
+    if cf.CONFIG["delta_from_output"]:  # its output residual stored (a pointer, not the constexpr None)
+        del training["ORES"]
+    out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel, training,
                 cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
     for cq in (window_bwd.CQ, 32):
         br = max(16, pow2(cq * G))
         wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=64 if br <= 64 else 32, PREC="tf32",
                        HIGH=False)
         wwarps = 4 if br <= 64 else 8
-        out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False), wwarps, 2),
-                (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True), wwarps, 2),
+        # the dq kernel forms delta from the forward's output (pointers) with CONFIG["delta_from_output"]
+        output = {} if cf.CONFIG["delta_from_output"] else dict(O=None, ORES=None)
+        out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False, **output), wwarps, 2),
+                (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True, O=None, ORES=None),
+                 wwarps, 2),
                 (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=decode.BLOCK, HAS_MASK=True,
                HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")
@@ -149,7 +154,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         common = constants(bq, sprec, 64)
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
-        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32")
+        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", DELTA_WHOLE=cf.CONFIG["delta_from_output"])
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),
@@ -191,10 +196,11 @@ def main():
     quick = "--quick" in sys.argv
     slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels
     sass = "--sass" in sys.argv
+    match = sys.argv[sys.argv.index("--match") + 1] if "--match" in sys.argv else ""  # names containing it
     for HQ, H, D, M in shapes[:1] if quick else shapes:
         print(f"# HQ={HQ} H={H} D={D} M={M}, bf16, sm_90a")
         for name, fn, consts, warps, stages in cases(HQ, H, D, M):
-            if slot_only and not name.startswith("slot bwd"):
+            if slot_only and not name.startswith("slot bwd") or match not in name:
                 continue
             ptrs = DECODE_POINTERS if name.startswith("decode") else None
             cap = slot_bwd.register_cap(CAPPED[fn]).get("maxnreg") if fn in CAPPED else None

@@ -14,8 +14,9 @@ The rows and keys_da kernels take their D-sized products in column passes of BD 
 kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all of D = 128 in one program).
 
 - `_rows_kernel`, per (BQ-token query block, kv head), rows = BQ tokens x G heads, as the forward: recomputes
-  the slot logits and dP = dO . Sv_u, completes the exact delta = sum P * dP (the window share comes from
-  `window_bwd.window_delta`), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient
+  the slot logits and dP = dO . Sv_u, completes the exact delta = sum P * dP unless it is already whole (the
+  window share comes from `window_bwd.window_delta`; `window_bwd.window_dq` forms all of it from an exact
+  forward output), forms dl = P (dP - delta), and writes dq (slot part), the slot_bias gradient
   per row, E[u] = sum_g (dl * l + P * dP) (summed over a token's G heads by a 0/1 selection product) and the row
   weights Wk = scale dl, Wv = P. No atomics.
 - `_state_grad_kernel`, per (stream chunk, kv head, BD columns of the key side, then of the value side:
@@ -300,9 +301,10 @@ def _rows_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, HAS_LOGITS: tl.constexpr,
+    DELTA_WHOLE: tl.constexpr,
 ):
-    """Per query block (module docstring). DELTA holds the window share of sum P * dP and gets the slot share
-    added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled logits are
+    """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
+    slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled logits are
     the forward's (LOGITS [B, T, HQ, M]), else they are formed again from q, the state and the chunk's keys."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
@@ -329,8 +331,9 @@ def _rows_kernel(
                     a_in, e_car, direct, T, W, offs_c, DV, BD, M, BR, CQB, CSZ, PREC, SPREC)
     bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
     p = tl.where(readable[:, None], tl.exp(lraw + bias[:, None] - lse[:, None]), 0.0)
-    delta += tl.sum(p * dp, 1)  # the window share plus the slot share, kept for the window backward
-    tl.store(DELTA + lrow, delta, mask=tv)
+    if not DELTA_WHOLE:
+        delta += tl.sum(p * dp, 1)  # the window share plus the slot share, kept for the window backward
+        tl.store(DELTA + lrow, delta, mask=tv)
     dl = p * (dp - delta[:, None])
     wk = dl * scale
 
@@ -668,12 +671,13 @@ def pipeline_stages(rows, dim):
     return CONFIG["slot_bwd_stages"] if rows * dim <= CONFIG["slot_bwd_stages_block"] else 1
 
 
-def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
+def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, delta_whole=False):
     """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias or None without `bias_grad`); dq, dk and
     dlog_alpha in the inputs' dtypes (stored once, rounded in the kernel), dv and dslot_bias fp32.
 
-    `delta` holds the window share of sum P * dP (`window_bwd.window_delta`) and is completed in place with the
-    slot share, for the window backward that follows. `states`: the forward's (Sk, Sv, dec, logits or None), else the
+    `delta` holds sum P * dP (`delta_whole`: from `window_bwd.window_dq` with the forward's exact output), or its
+    window share (`window_bwd.window_delta`) and is completed in place with the slot share, for the window backward
+    that follows. `states`: the forward's (Sk, Sv, dec, logits or None), else the
     states are recomputed and the logits formed again in the rows kernel."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     assert T > W, "without slots (window >= T) the slot backward has nothing to do"
@@ -711,7 +715,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True):
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
-        BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None, **rows_common,
+        BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
+        DELTA_WHOLE=delta_whole, **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None

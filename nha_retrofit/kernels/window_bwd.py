@@ -3,8 +3,12 @@ window under one softmax) and delta = sum P * dP = rowsum(dO * O): p = exp(s - L
 
 Two kernels: `_dq_kernel` per query block (rows = CQ tokens x G query heads of one kv head) and
 `_dkv_kernel` per key block, looping over the query blocks that see it (keys j are seen by t in j .. j+W-1).
-`window_delta` runs `_dq_kernel` in a delta mode first: the window share of an exact delta (the slot
-backward adds the slot share), instead of rowsum(dO * O) from a rounded output.
+delta must be exact (sum P * dP as the backward forms P and dP; rowsum(dO * O) of the rounded bf16 output is
+~2e-3 off, which the slot_bias gradient, a cancellation, does not survive). Two ways:
+- after a training forward with `exact_output` (o + its rounding residual = the fp32 output from unrounded
+  weights), `window_dq` runs first and its kernel forms delta = rowsum(dO * O) for every kernel after it;
+- else `window_delta` runs `_dq_kernel` in a delta mode first (the window share; the slot backward adds the
+  slot share).
 """
 
 import os
@@ -25,23 +29,32 @@ HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
 
 @triton.jit
 def _dq_kernel(
-    QR, KR, V, DO, LSE, DELTA, MASK, DQR,
+    QR, KR, V, DO, O, ORES, LSE, DELTA, MASK, DQR,
     sq_b, sk_b, sv_b, so_b, T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
     DELTA_ONLY: tl.constexpr,
 ):
     """dq_rope of the window part; with DELTA_ONLY, instead DELTA[row] = sum_j p_j (dO . v_j) (its window
-    share of an exact delta = sum P * dP; the slot backward adds the slot share)."""
+    share of an exact delta = sum P * dP; the slot backward adds the slot share). With O (the forward's output,
+    ORES its rounding residual or None), first DELTA[row] = rowsum(dO * (O + ORES)), the whole delta."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
-    qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
+    lrow, lse, delta = _row_stats(LSE, DELTA if O is None else None, b, t, hq, tv, T, HQ)
+    if O is not None:  # in column passes of at most 64: fewer live registers beside the loop's tiles
+        for c0 in tl.static_range(0, DV, min(DV, 64)):
+            at = orow[:, None] + c0 + tl.arange(0, min(DV, 64))[None, :]
+            out = tl.load(O + at, mask=tv[:, None], other=0.0).to(tl.float32)
+            if ORES is not None:
+                out += tl.load(ORES + at, mask=tv[:, None], other=0.0).to(tl.float32)
+            delta += tl.sum(tl.load(DO + at, mask=tv[:, None], other=0.0).to(tl.float32) * out, 1)
+        tl.store(DELTA + lrow, delta, mask=tv)
+    qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
     do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
-    lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
     dq = tl.zeros([BR, D], dtype=tl.float32)
     dsum = tl.zeros([BR], dtype=tl.float32)
     lo = tl.maximum(t0 - W + 1, 0)
@@ -147,24 +160,34 @@ def window_delta(p, do, lse, scale):
     do = do.contiguous()
     args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
     chunk_fwd.launch("window delta", _dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H),
-                     p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, delta, *args, DELTA_ONLY=True, **meta)
+                     p.q_rope, p.k_rope, p.v, do, None, None, lse, delta, p.mask, delta, *args, DELTA_ONLY=True,
+                     **meta)
     return delta
 
 
-def window_backward(p, do, lse, delta, scale):
-    """Gradients of the window half: (dq_rope, dk_rope) in the inputs' dtypes (stored once, rounded in the
-    kernel), dv in fp32 (the slot part's is added to it)."""
-    B, T, HQ, D, H, DV = p.B, p.T, p.HQ, p.D, p.H, p.DV
+def window_dq(p, do, lse, delta, scale, output=None):
+    """dq_rope of the window half, in the inputs' dtype (stored once, rounded in the kernel). With `output`, the
+    forward's (o, its rounding residual or None) from `exact_output`, the kernel first writes delta =
+    rowsum(dO * O) into `delta` (which may be uninitialized); else `delta` must be complete."""
     do = do.contiguous()
-    dqr = chunk_fwd.alloc(B, T, HQ, D, dtype=p.q_rope.dtype, device=do.device)
-    dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
-    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
+    dqr = chunk_fwd.alloc(p.B, p.T, p.HQ, p.D, dtype=p.q_rope.dtype, device=do.device)
     cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq)
-    chunk_fwd.launch("window dq", _dq_kernel, (cdiv(T, cq), B * H),
-                     p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
-    _, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_dkv_block"] or cq)
+    chunk_fwd.launch("window dq", _dq_kernel, (cdiv(p.T, cq), p.B * p.H),
+                     p.q_rope, p.k_rope, p.v, do, *(output or (None, None)), lse, delta, p.mask, dqr, *args,
+                     DELTA_ONLY=False, **meta)
+    return dqr
+
+
+def window_dkv(p, do, lse, delta, scale):
+    """(dk_rope in the inputs' dtype, dv in fp32 (the slot part's is added to it)) of the window half."""
+    B, T, H, D, DV = p.B, p.T, p.H, p.D, p.DV
+    do = do.contiguous()
+    dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
+    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
+    cq = chunk_fwd.CONFIG["window_dkv_block"] or chunk_fwd.CONFIG["window_bwd_block"] or CQ
+    args, meta = _launch(p, do, scale, cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
     chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
-    return dqr, dkr, dv
+    return dkr, dv

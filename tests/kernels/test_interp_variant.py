@@ -32,6 +32,9 @@ CASES = [
     ("defaults", (100, 4, 2, 64, 64, 30, 2, "float32", 1.0, "random", "none")),
     ("defaults", (130, 8, 2, 128, 64, 40, 1, "bfloat16", 2.0, "real_like", "none")),
     ("ones_mask", (100, 4, 2, 64, 64, 30, 2, "float32", 1.0, "random", "none")),
+    # delta from a window pass plus the slot share (the default before session 21: now rowsum(dO * O) of the
+    # training forward's fp32-accurate output)
+    ("delta_pass", (63, 9, 3, 64, 32, 1, 1, "bfloat16", 1.0, "random", "left")),
     ("defaults", (50, 4, 2, 64, 32, 64, 2, "float32", 1.0, "random", "left")),  # window >= T: no slot half
     ("slot_bwd_split_keys", (130, 4, 2, 64, 64, 5, 1, "float32", 2.0, "random", "right")),
     ("fwd_window_first", (90, 3, 1, 64, 32, 5, 2, "float32", 1.0, "random", "right")),

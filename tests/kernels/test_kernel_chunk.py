@@ -416,10 +416,10 @@ VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults 
     "train_chunk64", "slot_bwd_8warps", "slot_bwd_block8", "slot_bwd_split_keys", "fwd_window_first", "tf32x3",
     "tf32x3_window_first", "scan_one_pass_8x32", "scan_block_4096", "update_block_4096", "ones_mask",
     "slot_bwd_keys_8warps", "slot_bwd_block32", "keys_da_32slots",
-    "fwd_block16", "window_bwd_block32", "window_bwd_block16", "slot_bwd_rows32", "slot_bwd_rows8",
+    "fwd_block16", "window_bwd_block32", "window_dq_block32", "slot_bwd_rows32", "slot_bwd_rows8",
     "slot_bwd_rows32_4warps", "slot_bwd_keys_block8", "slot_bwd_columns128_8warps", "separate_kv_states",
     "slot_bwd_columns64", "keys_da_8warps", "slot_bwd_stages1", "keys_da_rows_block", "keys_separate",
-    "keys_merged_4warps", "scan_segment_32", "slot_bwd_uncapped")}
+    "keys_merged_4warps", "scan_segment_32", "slot_bwd_uncapped", "delta_pass")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
