@@ -394,6 +394,12 @@ def _window_rows(QR, KR, V, MASK, b, h, t, tv, row_off, t0, T, W, scale, m_i, l_
 
 
 @triton.jit
+def _column_halves(x, BR: tl.constexpr, BDS: tl.constexpr):
+    """The two [BR, BDS] column halves of a [BR, 2 BDS] tile (tl.join of them, permuted back, rebuilds it)."""
+    return tl.split(tl.permute(tl.reshape(x, [BR, 2, BDS]), [0, 2, 1]))
+
+
+@triton.jit
 def _store_rounded(O, ORES, o_off, cols, out, tv):
     """o[:, cols] = out rounded to o's dtype, and with ORES the rounding residual (o + residual ~ out)."""
     rounded = out.to(O.dtype.element_ty)
@@ -514,7 +520,7 @@ def _fwd_kernel(
         svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if DV == 2 * BDS:  # the value read in two column halves of acc
-            halves = tl.split(tl.permute(tl.reshape(acc, [BR, 2, BDS]), [0, 2, 1]))
+            halves = _column_halves(acc, BR, BDS)
             cols = tl.arange(0, BDS)
             acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, slots, cols, PREC, VPREC, SPLIT)
             acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, slots, BDS + cols, PREC, VPREC, SPLIT)
@@ -533,7 +539,7 @@ def _fwd_kernel(
     lse = tl.where(ok, m_i + tl.log(l_safe), float("inf"))
     o_off = b * so_b + t.to(tl.int64) * so_t + hq * DV
     if SPLIT and DV == 2 * BDS:  # o and its residual by column halves (fewer live registers)
-        halves = tl.split(tl.permute(tl.reshape(out, [BR, 2, BDS]), [0, 2, 1]))
+        halves = _column_halves(out, BR, BDS)
         cols = tl.arange(0, BDS)
         _store_rounded(O, ORES, o_off, cols, halves[0], tv)
         _store_rounded(O, ORES, o_off, BDS + cols, halves[1], tv)
@@ -814,7 +820,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
-    "window_bwd_block16": dict(window_bwd_block=16, window_dkv_block=16),
     "window_dq_block32": dict(window_bwd_block=32),  # the default before session 21
     "slot_bwd_8warps": dict(slot_bwd_warps=8),
     "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_keys_merged_warps=None),

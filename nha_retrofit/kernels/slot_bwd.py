@@ -304,8 +304,9 @@ def _rows_kernel(
     DELTA_WHOLE: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
-    slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled logits are
-    the forward's (LOGITS [B, T, HQ, M]), else they are formed again from q, the state and the chunk's keys."""
+    slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
+    logits are the forward's (LOGITS [B, T, HQ, M]), else they are formed again from q, the state and the chunk's
+    keys."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
