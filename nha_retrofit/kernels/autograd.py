@@ -45,7 +45,7 @@ class _NHAFunction(torch.autograd.Function):
         keep_states = has_slots and chunk_fwd.CONFIG["save_states"] and training
         # the backward's delta = rowsum(dO * O) from an fp32-accurate output (formed in the window dq kernel, so
         # with a window), else by a delta pass over the window and the slot share
-        exact_output = has_slots and prep.W > 0 and training and chunk_fwd.CONFIG["delta_from_output"]
+        exact_output = has_slots and prep.W > 0 and training and chunk_fwd.keeps_exact_output(q.dtype)
         o, lse, states, residual = chunk_fwd.forward(prep, scale, has_slots, keep_logits=keep_states,
                                                      exact_output=exact_output)
         keep = states if keep_states else ()

@@ -562,6 +562,13 @@ def value_precision(dtype):
     return product_precision(CONFIG["value_precision"] or CONFIG["slot_precision"], dtype)
 
 
+def keeps_exact_output(dtype):
+    """Whether a training forward on `dtype` inputs can keep its output to fp32 accuracy for the backward's delta
+    (CONFIG["delta_from_output"]): not with single-pass TF32 P.V products, which round v to 10 mantissa bits (the
+    slot_bias gradient, a cancellation, then missed 5e-3 in 8 of 20 runs at T=63, w=1; NOTES.md session 22)."""
+    return CONFIG["delta_from_output"] and value_precision(dtype) != "tf32"
+
+
 class Prepared:
     """Contiguous inputs and the per-sequence scalars every kernel needs."""
 
@@ -703,7 +710,7 @@ CONFIG = {
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
     "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
-    # o alone, but with delta_from_output the backward's delta comes from o, which must then be fp32-accurate)
+    # o alone, but not for the backward's delta, so with it the delta pass runs instead of delta_from_output)
     "fwd_min_slot_tile": 64,  # the fused kernel's slot tiles are at least this wide (padding slots masked):
     # with 16 or 32 slots, D = 64 and 3-4 query heads per kv head, Triton 3.6 miscompiled it on the H200
     # (compute-sanitizer: an out-of-bounds shared-memory read in a slot product; wrong output or a fault;

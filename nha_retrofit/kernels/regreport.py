@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -117,7 +118,7 @@ def cases(HQ, H, D, M):
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
     cq = cf.fwd_block(G, train_cs)
     training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True)
-    if cf.CONFIG["delta_from_output"]:  # its output residual stored (a pointer, not the constexpr None)
+    if cf.keeps_exact_output(torch.bfloat16):  # its output residual stored (a pointer, not the constexpr None)
         del training["ORES"]
     out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel, training,
                 cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
@@ -127,7 +128,7 @@ def cases(HQ, H, D, M):
                        HIGH=False)
         wwarps = 4 if br <= 64 else 8
         # the dq kernel forms delta from the forward's output (pointers) with CONFIG["delta_from_output"]
-        output = {} if cf.CONFIG["delta_from_output"] else dict(O=None, ORES=None)
+        output = {} if cf.keeps_exact_output(torch.bfloat16) else dict(O=None, ORES=None)
         out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False, **output), wwarps, 2),
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True, O=None, ORES=None),
                  wwarps, 2),
@@ -155,7 +156,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         common = constants(bq, sprec, 64)
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
-        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", DELTA_WHOLE=cf.CONFIG["delta_from_output"])
+        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
+                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16))
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),
