@@ -124,7 +124,7 @@ def cases(HQ, H, D, M):
                 cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
     for cq in (window_bwd.CQ, 32):
         br = max(16, pow2(cq * G))
-        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=64 if br <= 64 else 32, PREC="tf32",
+        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=cf.CONFIG["window_dq_keys"], PREC="tf32",
                        HIGH=False)
         wwarps = 4 if br <= 64 else 8
         # the dq kernel forms delta from the forward's output (pointers) with CONFIG["delta_from_output"]
@@ -132,7 +132,8 @@ def cases(HQ, H, D, M):
         out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False, **output), wwarps, 2),
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True, O=None, ORES=None),
                  wwarps, 2),
-                (f"window dkv block={cq}", window_bwd._dkv_kernel, wconsts, wwarps, 2)]
+                (f"window dkv block={cq}", window_bwd._dkv_kernel, dict(wconsts, BN=cf.CONFIG["window_dkv_keys"]),
+                 cf.CONFIG["window_dkv_warps"] or wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=decode.BLOCK, HAS_MASK=True,
                HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")
     out += [("decode, one block", decode._decode_kernel, dict(dec, SINGLE=True), 8, 2),

@@ -143,7 +143,7 @@ def _launch(p, do, scale, cq):
     """(batch strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens."""
     G = p.G
     BR = max(16, next_power_of_2(cq * G))
-    BN = 64 if BR <= 64 else 32
+    BN = chunk_fwd.CONFIG["window_dq_keys"]
     q, k, v, _, o = chunk_fwd.batch_strides(p, do)  # (no gates here)
     args = (q, k, v, o, p.T, p.W, float(scale))
     meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=BN, PREC=p.prec,
@@ -187,6 +187,7 @@ def window_dkv(p, do, lse, delta, scale):
     cq = chunk_fwd.CONFIG["window_dkv_block"] or chunk_fwd.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
+    meta["BN"] = chunk_fwd.CONFIG["window_dkv_keys"]
     chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
     return dkr, dv
