@@ -289,6 +289,7 @@ def main():
                     help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side "
                     "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
+    ap.add_argument("--variant-window", type=int, default=64)
     ap.add_argument("--variant-decode", action="store_true", help="also time each variant's eager decode step")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="time nothing: merge these runs' records (later files win for the same impl, T, window, "
@@ -340,7 +341,8 @@ def main():
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
     if names:
-        records += variants([int(x) for x in args.variant_lengths.split(",")], names, decode=args.variant_decode)
+        records += variants([int(x) for x in args.variant_lengths.split(",")], names, w=args.variant_window,
+                            decode=args.variant_decode)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None
         for warps in (4, 8):

@@ -758,9 +758,11 @@ CONFIG = {
     "window_dkv_block": 16,  # ... of its dkv kernel (None: window_bwd_block; at 32 its smem is 137 KB)
     "window_dq_keys": 32,  # keys per tile of the window dq (and delta) kernel's loop: a 16-token block's 79 keys
     # at w = 64 in 3 tiles of 32 instead of 2 of 64, no spills
-    "window_dkv_keys": 32,  # keys per program of its dkv kernel: each key block's queries in 6 blocks of 16 instead
-    # of 8 for 64 keys (pairs computed 2x -> 1.5x the window's), spills 1808 -> 380 B; with window_dq_keys 32 the
-    # 32K step on the H200 7.42-7.45 -> 7.25 ms (dq 0.58 -> 0.47, dkv 0.54 -> 0.48; NOTES.md session 22)
+    "window_dkv_keys": None,  # keys per program of its dkv kernel (None: `window_bwd.dkv_keys`, 32 up to w = 64,
+    # else 64). A program loads the (keys + w) / 16 query blocks its keys see: at w = 64, 6 blocks for 32 keys instead
+    # of 8 for 64 (pairs computed 1.5x the window's, was 2x; spills 1808 -> 380 B), with window_dq_keys 32 the 32K
+    # step on the H200 7.42-7.45 -> 7.25 ms (dq 0.58 -> 0.47, dkv 0.54 -> 0.48); at w = 512 32 keys load 17 query
+    # blocks per key, 64 load 9: dkv 1.93 against 2.15 ms (NOTES.md session 22)
     "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
     # spills less at D=128 in the register report)
     "scan_tile": None,  # (slots, columns) per program of the one-pass state scan and reverse scan (scan_segment
@@ -832,6 +834,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_keys64": dict(window_dq_keys=64, window_dkv_keys=64),  # the default before session 22 (up to 64 rows)
+    "window_dq_keys64": dict(window_dq_keys=64),
+    "window_dkv_keys64": dict(window_dkv_keys=64),
     "window_dq_keys16": dict(window_dq_keys=16),
     "window_dkv_keys16": dict(window_dkv_keys=16),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),

@@ -132,7 +132,7 @@ def cases(HQ, H, D, M):
         out += [(f"window dq block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=False, **output), wwarps, 2),
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True, O=None, ORES=None),
                  wwarps, 2),
-                (f"window dkv block={cq}", window_bwd._dkv_kernel, dict(wconsts, BN=cf.CONFIG["window_dkv_keys"]),
+                (f"window dkv block={cq}", window_bwd._dkv_kernel, dict(wconsts, BN=window_bwd.dkv_keys(64)),
                  cf.CONFIG["window_dkv_warps"] or wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=decode.BLOCK, HAS_MASK=True,
                HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")

@@ -178,6 +178,13 @@ def window_dq(p, do, lse, delta, scale, output=None):
     return dqr
 
 
+def dkv_keys(W):
+    """Keys per program of the dkv kernel for a window of W tokens: CONFIG["window_dkv_keys"], else 32 up to W = 64
+    (the fewest computed pairs that do not spill) and 64 above (fewer query loads per key; both measured at their
+    end: w = 64 and w = 512)."""
+    return chunk_fwd.CONFIG["window_dkv_keys"] or (32 if W <= 64 else 64)
+
+
 def window_dkv(p, do, lse, delta, scale):
     """(dk_rope in the inputs' dtype, dv in fp32 (the slot part's is added to it)) of the window half."""
     B, T, H, D, DV = p.B, p.T, p.H, p.D, p.DV
@@ -187,7 +194,7 @@ def window_dkv(p, do, lse, delta, scale):
     cq = chunk_fwd.CONFIG["window_dkv_block"] or chunk_fwd.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq)
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
-    meta["BN"] = chunk_fwd.CONFIG["window_dkv_keys"]
+    meta["BN"] = dkv_keys(p.W)
     chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
     return dkr, dv
