@@ -8,6 +8,7 @@ benchmarks/results/ops_h200.md.
 
     python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
     python benchmarks/ops.py --parts --variants all   # stages at 32K; CONFIG variants side by side
+    python benchmarks/ops.py --variants defaults,window_keys64 --variant-window 512   # variants at another window
     python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two steps of a session
 """
 
