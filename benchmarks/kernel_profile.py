@@ -12,7 +12,7 @@ Nsight Compute captures each kernel launch once:
 (no synchronization inside; valid while the GPU keeps up, i.e. at short T) against the GPU's milliseconds per
 step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd), each
 Triton kernel's launch time, and the top-level PyTorch ops per step with their host time.
-`--forward-only`: the steps are inference forwards (no gradients: CONFIG["chunk"], no states kept).
+`--forward-only`: the steps are inference forwards (no gradients: `chunk_fwd.inference_chunk`, no states kept).
 `--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 

@@ -1,6 +1,6 @@
 """Triton forward of the NHA operator: a slot-state scan and one fused window + slot-read kernel.
 
-Notation (DESIGN.md section 2); CS tokens per slot-state chunk (CONFIG["chunk"], or CONFIG["train_chunk"] for a
+Notation (DESIGN.md section 2); CS tokens per slot-state chunk (`inference_chunk`, or CONFIG["train_chunk"] for a
 forward whose backward will run: `Prepared.cs`). Stream index u = query
 position t. Query u reads the slots after absorbing tokens j = 0 .. u - W (W = window), plus the window keys
 u - W + 1 .. u, under one softmax. Writing
@@ -593,7 +593,7 @@ class Prepared:
         self.bias = constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None else slot_bias.contiguous()
         self.prec = dot_precision(q.dtype)
         # read once: the backward uses the forward's chunking
-        self.cs = (CONFIG["train_chunk"] or CONFIG["chunk"]) if training else CONFIG["chunk"]
+        self.cs = (CONFIG["train_chunk"] or inference_chunk(self.G)) if training else inference_chunk(self.G)
         self.nch = cdiv(self.T, self.cs)
 
     TENSORS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "mask", "first", "bias")
@@ -640,11 +640,11 @@ def update_columns(M, DX):
     return min(max(CONFIG["update_block"] // next_power_of_2(M), 16), next_power_of_2(DX))
 
 
-def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, chunk=None):
-    """Slot states before each stream chunk of `chunk` tokens (CONFIG["chunk"] by default; nch = T / chunk
-    rounded up), and the final ones, of the S inputs `xs` ([B, T, H, DX] each, one layout: S = 2 runs the key and
-    the value states in one set of launches): [S, B, H, nch + 1, M, DX] fp32, from `initial` [S, B, H, M, DX] (or
-    zero), and with `return_decay` the chunk decays [B, H, nch, M].
+def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, *, chunk):
+    """Slot states before each stream chunk of `chunk` tokens (nch = T / chunk rounded up), and the final ones, of
+    the S inputs `xs` ([B, T, H, DX] each, one layout: S = 2 runs the key and the value states in one set of
+    launches): [S, B, H, nch + 1, M, DX] fp32, from `initial` [S, B, H, M, DX] (or zero), and with `return_decay`
+    the chunk decays [B, H, nch, M].
 
     Two steps: every chunk's own update in parallel, then a short elementwise scan over chunks."""
     x = xs[0]
@@ -657,7 +657,7 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, c
     launch(
         "chunk_update", _chunk_update_kernel, (nch, B * H, S * cdiv(DX, BD)),
         x, xs[-1], log_alpha, mask, out, dec, x.stride(0), log_alpha.stride(0),
-        T, W, nch, H=H, M=M, DX=DX, CSZ=chunk or CONFIG["chunk"], BD=BD, PREC=slot_precision(x.dtype),
+        T, W, nch, H=H, M=M, DX=DX, CSZ=chunk, BD=BD, PREC=slot_precision(x.dtype),
         ZERO_FIRST=initial is None,
         num_warps=4,
     )
@@ -699,12 +699,13 @@ CONFIG = {
     # were 0.04 ms faster than 2 per 32K forward on the H200 in three calls, NOTES.md session 8; smem 48 -> 64 KB)
     "slot_precision": "bf16x3",  # its fp32 slot products (products.py: bf16x3, tf32x3, tf32; bf16x3 was 1.3 ms
     # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
-    "chunk": 64,  # tokens per slot-state chunk (CS): the intra-chunk products are [rows, CS] tiles, the states
-    # [T / CS + 1, M, D] per kv head; the slot backward's and the fused forward's blocks must divide it
-    "train_chunk": 32,  # ... of a forward whose backward will run (None: "chunk"): smaller [rows, CS] tiles spill
-    # less in the slot backward, twice the chunks cost the state scans more (forward, reverse) and double the kept
-    # states; at 32K on the H200 forward+backward 9.66-9.75 against 9.90-10.03 ms, the forward alone 2.46 against
-    # 2.27 (NOTES.md session 13), so a forward without gradients keeps "chunk"
+    "chunk": None,  # tokens per slot-state chunk (CS) of a forward without gradients (None: `inference_chunk`):
+    # the intra-chunk products are [rows, CS] tiles, the states [T / CS + 1, M, D] per kv head; the slot backward's
+    # and the fused forward's blocks must divide it
+    "train_chunk": 32,  # ... of a forward whose backward will run (None: as without gradients): smaller [rows, CS]
+    # tiles spill less in the slot backward, twice the chunks cost the state scans more (forward, reverse) and
+    # double the kept states; at 32K on the H200 forward+backward 9.66-9.75 against 9.90-10.03 ms (NOTES.md
+    # session 13)
     "fwd_block": None,  # query tokens per program of the fused kernel (a power of two <= CS; None: fwd_block(G))
     "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
@@ -822,6 +823,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "recompute_states": dict(save_states=False),
     "recompute_logits": dict(save_logits=False),
     "chunk32": dict(chunk=32),
+    "chunk64": dict(chunk=64),  # the default before session 22
     "train_chunk64": dict(train_chunk=64),  # the training chunk before session 13
     "separate_kv_states": dict(merge_kv_states=False),
     "scan_one_pass": dict(scan_segment=None),
@@ -872,6 +874,17 @@ def variant_overrides(name):
             raise KeyError(f"unknown kernel variant {part!r}; known: {', '.join(CONFIG_VARIANTS)}")
         overrides.update(CONFIG_VARIANTS[part])
     return overrides
+
+
+def inference_chunk(G):
+    """Tokens per slot-state chunk of a forward without gradients at G query heads per kv head: CONFIG["chunk"], else
+    64 where the fused kernel's query block fills it (G <= 2 at 128 rows), else 32, one query block per chunk or
+    fewer: in a 64-token chunk the first 32-token block's [rows, CS] intra-chunk products are half causally masked. At
+    G = 4 on the H200 32-token chunks made the forward 1.905 -> 1.815 ms at 32K (0.50 -> 0.48 at 8K, 3.76 -> 3.58
+    at 64K; NOTES.md session 22; in session 13, before the chained scans, 2.46 against 2.27); G >= 8 is untimed."""
+    if CONFIG["chunk"]:
+        return CONFIG["chunk"]
+    return 64 if fwd_block(G, 64) >= 64 else 32
 
 
 def fwd_block(G, cs):

@@ -86,7 +86,7 @@ def cases(HQ, H, D, M):
     """(name, jit function, constexprs, num_warps, num_stages) as the wrappers launch them (bf16 inputs);
     the fused forward in each CONFIG variant (block, split, slot/value precision)."""
     G = HQ // H
-    cs = cf.CONFIG["chunk"]
+    cs = cf.inference_chunk(G)
     pow2 = triton.next_power_of_2
     update = dict(H=H, M=M, DX=D, CSZ=cs, BD=cf.update_columns(M, D), PREC=cf.CONFIG["slot_precision"],
                   ZERO_FIRST=True)
@@ -149,7 +149,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     pow2 = triton.next_power_of_2
 
     def constants(bq, sprec, columns):  # at the training chunk (the slot backward runs only in training)
-        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["train_chunk"] or cf.CONFIG["chunk"],
+        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["train_chunk"] or cf.inference_chunk(G),
                     BR=max(16, pow2(bq * G)), BD=min(columns, D), SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
 
     out = []

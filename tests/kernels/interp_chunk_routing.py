@@ -1,7 +1,8 @@
 """Which slot-state chunk a call takes, under the Triton CPU interpreter: a forward whose backward can run takes
-CONFIG["train_chunk"], any other CONFIG["chunk"], also under torch.no_grad() with a slot bias that requires a
-gradient (a model's parameter in an evaluation loop; an autograd function's needs_input_grad ignores the grad mode).
-The no-gradient forward equals the training one to fp32 rounding (the chunking only regroups the same sums).
+CONFIG["train_chunk"], any other `inference_chunk` (64 at these 2 query heads per kv head), also under torch.no_grad()
+with a slot bias that requires a gradient (a model's parameter in an evaluation loop; an autograd function's
+needs_input_grad ignores the grad mode). The no-gradient forward equals the training one to fp32 rounding (the
+chunking only regroups the same sums).
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_chunk_routing.py   (prints OK and exits 0)
 """
@@ -40,9 +41,9 @@ def main():
     trained.sum().backward()
     constant = autograd.nha_attention(*inputs, window, x["scale"], mask, x["slot_bias"])  # nothing needs gradients
 
-    config = chunk_fwd.CONFIG
-    assert config["train_chunk"] != config["chunk"], "the defaults no longer tell the two routes apart"
-    assert chunks == [config["chunk"], config["train_chunk"], config["chunk"]], chunks
+    train, inference = chunk_fwd.CONFIG["train_chunk"], chunk_fwd.inference_chunk(HQ // H)
+    assert train != inference, "the defaults no longer tell the two routes apart"
+    assert chunks == [inference, train, inference], chunks
     assert leaves[0].grad is not None and leaves[0].grad.abs().sum() > 0
     err = rel(evaluated, trained.detach())
     assert err <= 1e-6, err

@@ -59,7 +59,8 @@ def main():
     # the wiring in slot_states / reverse_scan against the one-pass kernels (scan_segment None), for one input and
     # for two in one launch set (each half against the single-input result)
     B, T, H, D, W = 2, 300, 2, 64, 5
-    nch = -(-T // chunk_fwd.CONFIG["chunk"])
+    chunk = 64
+    nch = -(-T // chunk)
     xs = (torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen))
     log_alpha = -torch.rand(B, T, H, M, generator=gen) * 0.03  # chunk decays ~0.4: carries matter
     mask = torch.ones(B, T, dtype=torch.int32)
@@ -73,12 +74,12 @@ def main():
         with bounds_checked():
             got, pairs = {}, {}
             for s in (0, 1):
-                got["slot_states", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch)[0]
+                got["slot_states", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch, chunk=chunk)[0]
                 got["slot_states from a state", s] = chunk_fwd.slot_states(xs[s:s + 1], log_alpha, mask, W, nch,
-                                                                           initial[s:s + 1])[0]
+                                                                           initial[s:s + 1], chunk=chunk)[0]
                 got["reverse_scan", s] = slot_bwd.reverse_scan(cont[s], dec)
-            pairs["slot_states"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch)
-            pairs["slot_states from a state"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, initial)
+            pairs["slot_states"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, chunk=chunk)
+            pairs["slot_states from a state"] = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, initial, chunk=chunk)
             pairs["reverse_scan"] = slot_bwd.reverse_scan(cont, dec)
         for (what, s), single in got.items():
             check(f"two at once: {what} [{s}] K={segment}", pairs[what][s], single, tol=1e-6)
