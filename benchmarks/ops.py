@@ -205,7 +205,7 @@ def parts(T=32768, w=64):
     x = nha_inputs(T, False)
     prepare = lambda window, training=False: chunk_fwd.Prepared(  # noqa: E731
         x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"], x["log_alpha"], window, None, x["slot_bias"], training)
-    p = prepare(w)  # the forward stages as inference runs them (CONFIG["chunk"])
+    p = prepare(w)  # the forward stages as inference runs them (`chunk_fwd.inference_chunk`)
     out = {}
     out["prepare"] = bench(lambda: prepare(w))
     out["kv_states"] = bench(lambda: chunk_fwd.kv_states(p))
@@ -216,7 +216,7 @@ def parts(T=32768, w=64):
         with mock.patch.object(chunk_fwd, "kv_states", lambda *args, **kwargs: states):
             out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
     p = prepare(w, True)  # the backward stages as training runs them (CONFIG["train_chunk"])
-    exact = chunk_fwd.CONFIG["delta_from_output"]
+    exact = chunk_fwd.keeps_exact_output(x["q"].dtype)
     out["fwd total, training chunks"] = bench(
         lambda: chunk_fwd.forward(p, D**-0.5, True, keep_logits=True, exact_output=exact))
     o, lse, states, residual = chunk_fwd.forward(p, D**-0.5, True, keep_logits=True, exact_output=exact)
