@@ -837,6 +837,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_keys64": dict(window_dq_keys=64, window_dkv_keys=64),  # the default before session 22 (up to 64 rows)
     "window_dq_keys64": dict(window_dq_keys=64),
+    "window_dkv_keys32": dict(window_dkv_keys=32),
     "window_dkv_keys64": dict(window_dkv_keys=64),
     "window_dq_keys16": dict(window_dq_keys=16),
     "window_dkv_keys16": dict(window_dkv_keys=16),
