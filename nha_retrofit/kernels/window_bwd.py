@@ -139,14 +139,14 @@ def _dkv_kernel(
     tl.store(DV_ + vrow[:, None] + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=jin[:, None])
 
 
-def _launch(p, do, scale, cq):
-    """(batch strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens."""
+def _launch(p, do, scale, cq, keys):
+    """(batch strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens and
+    BN = `keys` (keys per tile of the dq kernel's loop, keys per program of the dkv kernel)."""
     G = p.G
     BR = max(16, next_power_of_2(cq * G))
-    BN = chunk_fwd.CONFIG["window_dq_keys"]
     q, k, v, _, o = chunk_fwd.batch_strides(p, do)  # (no gates here)
     args = (q, k, v, o, p.T, p.W, float(scale))
-    meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=BN, PREC=p.prec,
+    meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=keys, PREC=p.prec,
                 HIGH=HIGH and p.prec != "ieee", num_warps=4 if BR <= 64 else 8, num_stages=2)
     return args, meta
 
@@ -157,7 +157,7 @@ def window_delta(p, do, lse, scale):
         return torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
     delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
     do = do.contiguous()
-    args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ)
+    args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ, chunk_fwd.CONFIG["window_dq_keys"])
     chunk_fwd.launch("window delta", _dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, None, None, lse, delta, p.mask, delta, *args, DELTA_ONLY=True,
                      **meta)
@@ -171,7 +171,7 @@ def window_dq(p, do, lse, delta, scale, output=None):
     do = do.contiguous()
     dqr = chunk_fwd.alloc(p.B, p.T, p.HQ, p.D, dtype=p.q_rope.dtype, device=do.device)
     cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
-    args, meta = _launch(p, do, scale, cq)
+    args, meta = _launch(p, do, scale, cq, chunk_fwd.CONFIG["window_dq_keys"])
     chunk_fwd.launch("window dq", _dq_kernel, (cdiv(p.T, cq), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, *(output or (None, None)), lse, delta, p.mask, dqr, *args,
                      DELTA_ONLY=False, **meta)
@@ -192,9 +192,8 @@ def window_dkv(p, do, lse, delta, scale):
     dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
     cq = chunk_fwd.CONFIG["window_dkv_block"] or chunk_fwd.CONFIG["window_bwd_block"] or CQ
-    args, meta = _launch(p, do, scale, cq)
+    args, meta = _launch(p, do, scale, cq, dkv_keys(p.W))
     meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
-    meta["BN"] = dkv_keys(p.W)
     chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
     return dkr, dv
