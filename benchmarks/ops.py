@@ -9,6 +9,7 @@ benchmarks/results/ops_h200.md.
     python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
     python benchmarks/ops.py --parts --variants all   # stages at 32K; CONFIG variants side by side
     python benchmarks/ops.py --variants defaults,window_keys64 --variant-window 512   # variants at another window
+    python benchmarks/ops.py --variants defaults,chunk64 --variant-heads 64,8,128   # ... at other head shapes
     python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two steps of a session
 """
 
@@ -263,7 +264,7 @@ def variants(lengths, names, w=64, decode=False):
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
                     print(f"variant {name} T={T} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     ms = None
-                records.append(dict(impl="variant: " + name, T=T, window=w, mode=mode, ms=ms))
+                records.append(dict(impl="variant: " + name, T=T, window=w, mode=mode, ms=ms, heads=f"{HQ},{H},{D}"))
                 print(f"variant {name:18s} T={T:6d} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
                 torch.cuda.empty_cache()
     for name in names if decode else []:
@@ -291,6 +292,8 @@ def main():
                     "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
     ap.add_argument("--variant-window", type=int, default=64)
+    ap.add_argument("--variant-heads", default=None, metavar="HQ,H,D",
+                    help="query heads, kv heads and head dim of the variant timings (default 32,8,128)")
     ap.add_argument("--variant-decode", action="store_true", help="also time each variant's eager decode step")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="time nothing: merge these runs' records (later files win for the same impl, T, window, "
@@ -342,6 +345,9 @@ def main():
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
     if names:
+        if args.variant_heads:
+            global HQ, H, D
+            HQ, H, D = (int(x) for x in args.variant_heads.split(","))
         records += variants([int(x) for x in args.variant_lengths.split(",")], names, w=args.variant_window,
                             decode=args.variant_decode)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)

@@ -37,6 +37,18 @@ def _has_slots(prep, filled0_any=False):
     return prep.W < prep.T or filled0_any
 
 
+_SIDE_STREAMS = {}  # CUDA device index -> the second stream the window backward's key kernel may run on
+
+
+def _side_stream(device):
+    """A second stream of `device` that first waits for the current stream's work so far."""
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
 class _NHAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training):
@@ -67,9 +79,17 @@ class _NHAFunction(torch.autograd.Function):
         # fp32-accurate output, formed by the window dq kernel; or the window share here and the slot share
         # added by the slot backward
         exact = o is not None
+        # with delta whole after the window dq kernel, the window's key kernel needs nothing of the slot backward:
+        # from CONFIG["overlap_window_dkv"] tokens it runs on a second stream beside it
+        side = None
         if exact:
             delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
             dqr = window_dq(p, do, lse, delta, scale, (o, residual))
+            overlap_from = chunk_fwd.CONFIG["overlap_window_dkv"]
+            if ctx.has_slots and do.is_cuda and overlap_from and p.B * p.T >= overlap_from:
+                side = _side_stream(do.device)
+                with torch.cuda.stream(side):
+                    dkr, dv_w = window_dkv(p, do, lse, delta, scale)
         else:
             delta = window_delta(p, do, lse, scale)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
@@ -82,7 +102,13 @@ class _NHAFunction(torch.autograd.Function):
         if p.W > 0:
             if not exact:
                 dqr = window_dq(p, do, lse, delta, scale)
-            dkr, dv_w = window_dkv(p, do, lse, delta, scale)
+            if side is None:
+                dkr, dv_w = window_dkv(p, do, lse, delta, scale)
+            else:  # join; the side stream's outputs are now used (and freed) on this one
+                main = torch.cuda.current_stream(do.device)
+                main.wait_stream(side)
+                dkr.record_stream(main)
+                dv_w.record_stream(main)
             dv = torch.add(dv, dv_w, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
         else:
             dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)

@@ -790,6 +790,10 @@ CONFIG = {
     # the window dq kernel forms delta = rowsum(dO * O) first (with a window; 0.19 ms less per 32K step on the
     # H200, NOTES.md session 21); False: a delta pass over the window forms the window share of sum P * dP and the
     # slot backward's rows kernel adds the slot share
+    "overlap_window_dkv": 8192,  # from this many tokens (batch x length; None: never) the window backward's key
+    # kernel runs on a second CUDA stream beside the slot backward (where delta is whole before either:
+    # delta_from_output). On the H200 32K 7.22 -> 7.19 ms, 8K 1.928 -> 1.896, w = 512 32K 10.53 -> 10.42; at 4K,
+    # host-bound, the fork and join cost more host time than they save (NOTES.md session 23)
     "maskless": True,  # without an attention mask the kernels get MASK = None, a specialization that loads no mask
     # (False: an all-ones mask, loaded as with padding)
     "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
@@ -863,6 +867,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
     "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
     "slot_bwd_uncapped": dict(slot_bwd_maxnreg={}),  # every slot-backward kernel at the compiler's registers
+    "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
+    "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }
 
