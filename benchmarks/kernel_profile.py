@@ -13,7 +13,7 @@ Nsight Compute captures each kernel launch once:
 step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd), each
 Triton kernel's launch time, and the top-level PyTorch ops per step with their host time.
 `--forward-only`: the steps are inference forwards (no gradients: `chunk_fwd.inference_chunk`, no states kept).
-`--config` takes chunk_fwd.CONFIG overrides as JSON (as benchmarks/ops.py).
+`--config` takes config.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 
 import argparse
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ops import D, HQ, host_us, nha_inputs  # noqa: E402
 
-from nha_retrofit.kernels import chunk_fwd, nha_attention  # noqa: E402
+from nha_retrofit.kernels import config, nha_attention  # noqa: E402
 
 
 def host_profile(step, n, label):
@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--host", type=int, default=0, metavar="N")
     ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
-    chunk_fwd.CONFIG.update(json.loads(args.config))
+    config.CONFIG.update(json.loads(args.config))
     x = nha_inputs(args.T, True)
     leaves = [x[n] for n in ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")]
     do = torch.randn(1, args.T, HQ, D, device="cuda", dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nha_retrofit.kernels import nha_attention, nha_recurrent_step_triton  # noqa: E402
+from nha_retrofit.kernels import config, nha_attention, nha_recurrent_step_triton  # noqa: E402
 from nha_retrofit.modeling.nha_state import NHAState  # noqa: E402
 
 HQ, H, D, M, B = 32, 8, 128, 64, 1
@@ -242,22 +242,20 @@ def parts(T=32768, w=64):
 def variants(lengths, names, w=64, decode=False):
     """Time each CONFIG variant (forward and forward+backward; with `decode` also the eager 28-layer decode step,
     for variants of the host side) side by side; returns records."""
-    from nha_retrofit.kernels import chunk_fwd
-
-    base = dict(chunk_fwd.CONFIG)
+    base = dict(config.CONFIG)
     records = []
 
     def use(name):
-        overrides = chunk_fwd.variant_overrides(name)
-        chunk_fwd.CONFIG.clear()
-        chunk_fwd.CONFIG.update(base, **overrides)
+        overrides = config.variant_overrides(name)
+        config.CONFIG.clear()
+        config.CONFIG.update(base, **overrides)
         return overrides
 
     for T in lengths:
         for name in names:
             overrides = use(name)
             for mode in ("fwd", "fwd+bwd"):
-                if mode == "fwd" and overrides and not set(overrides) & chunk_fwd.FORWARD_KEYS:
+                if mode == "fwd" and overrides and not set(overrides) & config.FORWARD_KEYS:
                     continue  # the forward is the defaults': timed with forward+backward only
                 try:
                     ms = run_nha(T, w, mode)
@@ -272,8 +270,8 @@ def variants(lengths, names, w=64, decode=False):
         ms = run_decode(window=w)[0]
         records.append(dict(impl="variant: " + name, T=None, window=w, mode="decode eager", ms=ms))
         print(f"variant {name:18s} decode, 28 layers, eager {ms:.3f} ms", flush=True)
-    chunk_fwd.CONFIG.clear()
-    chunk_fwd.CONFIG.update(base)
+    config.CONFIG.clear()
+    config.CONFIG.update(base)
     return records
 
 
@@ -286,9 +284,9 @@ def main():
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which fla_gsa is skipped")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
-    ap.add_argument("--config", default="{}", help="JSON of chunk_fwd.CONFIG overrides for the whole run")
+    ap.add_argument("--config", default="{}", help="JSON of config.CONFIG overrides for the whole run")
     ap.add_argument("--variants", default="",
-                    help="comma list of chunk_fwd.CONFIG_VARIANTS names (or name+name combinations) to time side "
+                    help="comma list of config.CONFIG_VARIANTS names (or name+name combinations) to time side "
                     "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
     ap.add_argument("--variant-window", type=int, default=64)
@@ -334,12 +332,10 @@ def main():
         save()
         torch.cuda.empty_cache()
 
-    from nha_retrofit.kernels import chunk_fwd
-
-    chunk_fwd.CONFIG.update(json.loads(args.config))
-    names = list(chunk_fwd.CONFIG_VARIANTS) if args.variants == "all" else [n for n in args.variants.split(",") if n]
+    config.CONFIG.update(json.loads(args.config))
+    names = list(config.CONFIG_VARIANTS) if args.variants == "all" else [n for n in args.variants.split(",") if n]
     for name in names:  # a misspelt variant stops the run here, before any GPU time is spent
-        chunk_fwd.variant_overrides(name)
+        config.variant_overrides(name)
     t_start = time.time()
     if args.parts:
         for k, v in parts().items():
@@ -353,11 +349,11 @@ def main():
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None
         for warps in (4, 8):
-            chunk_fwd.CONFIG["num_warps_64"] = warps
+            config.CONFIG["num_warps_64"] = warps
             ms = run_nha(32768, 64, "fwd")
             print(f"tune: num_warps={warps}: fwd 32K {ms:.3f} ms", flush=True)
             best = (ms, warps) if best is None or ms < best[0] else best
-        chunk_fwd.CONFIG["num_warps_64"] = best[1]
+        config.CONFIG["num_warps_64"] = best[1]
     for T in lengths:
         for mode in ("fwd", "fwd+bwd"):
             for w in (64, 512):

@@ -3,7 +3,7 @@
 import torch
 
 from ..modeling.nha_state import NHAState
-from . import chunk_fwd
+from . import chunk_fwd, config
 from .slot_bwd import slot_backward_triton
 from .window_bwd import window_delta, window_dkv, window_dq
 
@@ -54,7 +54,7 @@ class _NHAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training):
         prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
         has_slots = _has_slots(prep)
-        keep_states = has_slots and chunk_fwd.CONFIG["save_states"] and training
+        keep_states = has_slots and config.CONFIG["save_states"] and training
         # the backward's delta = rowsum(dO * O) from an fp32-accurate output (formed in the window dq kernel, so
         # with a window), else by a delta pass over the window and the slot share
         exact_output = has_slots and prep.W > 0 and training and chunk_fwd.keeps_exact_output(q.dtype)
@@ -85,7 +85,7 @@ class _NHAFunction(torch.autograd.Function):
         if exact:
             delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
             dqr = window_dq(p, do, lse, delta, scale, (o, residual))
-            overlap_from = chunk_fwd.CONFIG["overlap_window_dkv"]
+            overlap_from = config.CONFIG["overlap_window_dkv"]
             if ctx.has_slots and do.is_cuda and overlap_from and p.B * p.T >= overlap_from:
                 side = _side_stream(do.device)
                 with torch.cuda.stream(side):

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from . import fast_launch
 from .chunk_scan import chained_chunk_scan
+from .config import CONFIG
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_hilo, dot_xa, dot_xb, product_precision
 
@@ -441,7 +442,6 @@ def _fwd_kernel(
     t = t0 + tok
     tv = (r < CQB * GQ) & (t < T)
     hq = h * GQ + gh
-    offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     active = _real(MASK, b, T, t, tv)
     row_off = b * sq_b + t.to(tl.int64) * sq_t + hq * D  # q, q_rope share strides
@@ -692,195 +692,6 @@ def kv_states(p, initial_keys=None, initial_values=None):
     sv = slot_states((p.v,), p.log_alpha, p.mask, p.W, p.nch, initial_values[None] if carried else None,
                      chunk=p.cs)
     return sk[0], sv[0], dec
-
-
-CONFIG = {
-    "num_warps_64": 8, "num_warps_128": 8, "num_stages": 3,  # launch settings of the fused kernel (3 stages
-    # were 0.04 ms faster than 2 per 32K forward on the H200 in three calls, NOTES.md session 8; smem 48 -> 64 KB)
-    "slot_precision": "bf16x3",  # its fp32 slot products (products.py: bf16x3, tf32x3, tf32; bf16x3 was 1.3 ms
-    # faster than tf32x3 at 32K on the H200, NOTES.md session 5)
-    "chunk": None,  # tokens per slot-state chunk (CS) of a forward without gradients (None: `inference_chunk`):
-    # the intra-chunk products are [rows, CS] tiles, the states [T / CS + 1, M, D] per kv head; the slot backward's
-    # and the fused forward's blocks must divide it
-    "train_chunk": 32,  # ... of a forward whose backward will run (None: as without gradients): smaller [rows, CS]
-    # tiles spill less in the slot backward, twice the chunks cost the state scans more (forward, reverse) and
-    # double the kept states; at 32K on the H200 forward+backward 9.66-9.75 against 9.90-10.03 ms (NOTES.md
-    # session 13)
-    "fwd_block": None,  # query tokens per program of the fused kernel (a power of two <= CS; None: fwd_block(G))
-    "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
-    # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
-    "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
-    "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
-    # o alone, but not for the backward's delta, so with it the delta pass runs instead of delta_from_output)
-    "fwd_min_slot_tile": 64,  # the fused kernel's slot tiles are at least this wide (padding slots masked):
-    # with 16 or 32 slots, D = 64 and 3-4 query heads per kv head, Triton 3.6 miscompiled it on the H200
-    # (compute-sanitizer: an out-of-bounds shared-memory read in a slot product; wrong output or a fault;
-    # NOTES.md session 5); 64-wide tiles never failed
-    "block_factor_limit": 40.0,  # nats: a query block whose own tokens decay a slot by at most this takes them
-    # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
-    "slot_bwd_precision": "bf16x3",  # fp32 products of the slot backward (products.py; bf16x3 was 4.6 ms faster
-    # than tf32x3 per 32K step on the H200)
-    "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
-    "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
-    # despite more register spills)
-    "slot_bwd_stages": 2,  # software-pipelining stages of its kernels (their loops over row blocks load Wk, Wv,
-    # q and dO tiles per iteration; 2 prefetches the next block's into shared memory): 2 was 0.18-0.2 ms faster per
-    # 32K step than 1 on the H200 once the kernels lost their mask loads (NOTES.md session 20)
-    "slot_bwd_stages_block": 8192,  # ... for row blocks of at most this many rows x head-dim elements, 1 stage
-    # above: at 128 rows x 128 (8 query heads per kv head) the merged key kernel needs 240 KB of shared memory with
-    # 2 stages, more than the H200's 227 KB
-    "slot_bwd_rows_block": 16,  # tokens per block of its rows kernel (None: slot_bwd_block; each program
-    # loads the chunk's [M, D] states, as the forward's do): with the logits formed in the kernel 32 tokens with 8
-    # warps were 0.2-0.3 ms faster per 32K step than 16 with 4 on the H200 (NOTES.md session 7); with the forward's
-    # logits loaded (CONFIG["save_logits"]) 16 with 4 were 0.2 ms faster than 32 with 8 (session 17)
-    "slot_bwd_rows_warps": 4,  # warps of its rows kernel (None: slot_bwd_warps)
-    "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
-    # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
-    "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
-    # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
-    # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
-    "slot_bwd_maxnreg": {"state_grad": 168},  # per slot-backward kernel ("rows", "state_grad", "keys"): a register
-    # cap per thread (Triton's maxnreg), so more programs share a multiprocessor (each spills more; absent: uncapped).
-    # On the H200 at 32K: state_grad capped at 168 (3 programs of 4 warps per multiprocessor instead of 2) 8.71 against
-    # 8.78 ms; 128 9.03; the rows kernel at 168 or 128 9.50, the merged key kernel at 128 9.43 (NOTES.md session 17)
-    "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
-    "slot_bwd_keys_merged_warps": 8,  # warps of `_keys_merged_kernel`, which does the keys and keys_da kernels'
-    # work in one program per chunk (each row block's weights and rows loaded once for dk, dv and UV): 0.15 ms less
-    # per 32K step than the two on the H200 (NOTES.md session 14); it needs D == DV, all D columns and all M slots in
-    # one program, else (or with None) the two kernels run
-    "keys_da_rows_block": False,  # True: a keys_da kernel (so not the merged one) takes the rows kernel's blocks and
-    # warps (its UV and the rows kernel's E nearly cancel in the log_alpha gradient; the same blocks keep their
-    # rounding alike: fp32 error 1.0e-5 -> 2.5e-6 under mixed decay in the interpreter; untimed)
-    "keys_da_slots": 64,  # slots per program of the slot backward's keys_da kernel (None: all M in one program;
-    # at M=128 that form hit an illegal memory access on the H200, NOTES.md)
-    "window_bwd_block": 16,  # query tokens per block of the window backward's dq and delta kernels (None:
-    # window_bwd.CQ = 16): 32 was ~0.1 ms faster per 32K step on the H200 with a delta pass; since the dq kernel
-    # forms delta from the forward's output (delta_from_output) 16 is 0.08 ms faster (NOTES.md session 21)
-    "window_dkv_block": 16,  # ... of its dkv kernel (None: window_bwd_block; at 32 its smem is 137 KB)
-    "window_dq_keys": 32,  # keys per tile of the window dq (and delta) kernel's loop: a 16-token block's 79 keys
-    # at w = 64 in 3 tiles of 32 instead of 2 of 64, no spills
-    "window_dkv_keys": None,  # keys per program of its dkv kernel (None: `window_bwd.dkv_keys`, 32 up to w = 64,
-    # else 64). A program loads the (keys + w) / 16 query blocks its keys see: at w = 64, 6 blocks for 32 keys instead
-    # of 8 for 64 (pairs computed 1.5x the window's, was 2x; spills 1808 -> 380 B), with window_dq_keys 32 the 32K
-    # step on the H200 7.42-7.45 -> 7.25 ms (dq 0.58 -> 0.47, dkv 0.54 -> 0.48); at w = 512 32 keys load 17 query
-    # blocks per key, 64 load 9: dkv 1.93 against 2.15 ms (NOTES.md session 22)
-    "window_dkv_warps": None,  # warps of the window backward's key kernel (None: 4, or 8 for 128 rows; 8
-    # spills less at D=128 in the register report)
-    "scan_tile": None,  # (slots, columns) per program of the one-pass state scan and reverse scan (scan_segment
-    # None; None: forward (16, 64), backward (M, 64): at M=64, D=128 only 8 / 2 programs per kv head)
-    "update_block": 8192,  # state elements (slots x columns) per program of the chunk update: each program forms
-    # its chunk's gate sums and weights again, so wider blocks do that less often; 128 columns at M=64 was 0.07 ms
-    # faster per 32K forward than 64 on the H200 (NOTES.md session 20)
-    "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
-    # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
-    "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
-    # held in registers, 64 per thread: 287 us per 32K training scan on the H200 against 335 with 8-chunk segments
-    # of 4096 (NOTES.md session 19)
-    "merge_kv_states": True,  # the key and the value states in one set of launches (when k and v share a layout):
-    # 8 fewer launches per training step (host time at short T; ~0.05 ms per 32K step on the H200)
-    "save_states": True,  # the backward reuses the forward's slot states instead of recomputing them: 0.53 ms
-    # less per 32K step on the H200 (NOTES.md session 11) for 2 x [B, H, T/64 + 1, M, D] fp32 kept per layer, as
-    # much memory as q (under gradient checkpointing only the layer being recomputed holds them); False recomputes
-    "save_logits": True,  # with save_states, the training forward also keeps its scaled slot logits [B, T, HQ, M]
-    # fp32 (G x CS / 2D of the states' memory at CS-token chunks: half at the Llama-3-8B shape, 256 MiB per layer
-    # at 32K) and the rows kernel loads them instead of forming q against the states and the chunk's keys again;
-    # False recomputes them
-    "delta_from_output": True,  # a training forward keeps its output to fp32 accuracy (bf16/fp16: the window's
-    # and the chunk tokens' weights split hi + lo in their products with v, and o's rounding residual stored), so
-    # the window dq kernel forms delta = rowsum(dO * O) first (with a window; 0.19 ms less per 32K step on the
-    # H200, NOTES.md session 21); False: a delta pass over the window forms the window share of sum P * dP and the
-    # slot backward's rows kernel adds the slot share
-    "overlap_window_dkv": 8192,  # from this many tokens (batch x length; None: never) the window backward's key
-    # kernel runs on a second CUDA stream beside the slot backward (where delta is whole before either:
-    # delta_from_output). On the H200 32K 7.22 -> 7.19 ms, 8K 1.928 -> 1.896, w = 512 32K 10.53 -> 10.42; at 4K,
-    # host-bound, the fork and join cost more host time than they save (NOTES.md session 23)
-    "maskless": True,  # without an attention mask the kernels get MASK = None, a specialization that loads no mask
-    # (False: an all-ones mask, loaded as with padding)
-    "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
-    # time per launch in Triton 3.6)
-    "debug_sync": False,  # True (or NHA_KERNEL_SYNC=1): synchronize after every kernel launch and name the
-    # kernel in a CUDA error (pins an asynchronous illegal memory access to its kernel; slow)
-}
-
-FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
-    "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
-    "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless", "delta_from_output",
-}
-
-CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
-    "defaults": {},
-    "values_tf32": dict(value_precision="tf32"),
-    "fwd_tf32": dict(slot_precision="tf32"),  # timing only: log_alpha 1.1e-2 at T=4097 (NOTES.md, session 19)
-    "bwd_tf32": dict(slot_bwd_precision="tf32"),  # timing only: fails the log_alpha bound (NOTES.md, session 13)
-    "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
-    "fwd_tf32x3": dict(slot_precision="tf32x3"),
-    "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
-    "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
-    "fwd_block8": dict(fwd_block=8),
-    "fwd_block16": dict(fwd_block=16),
-    "fwd_rows256": dict(fwd_rows=256),
-    "fwd_warps4": dict(num_warps_64=4),
-    "fwd_stages2": dict(num_stages=2),
-    "fwd_window_first": dict(fwd_slots_first=False),
-    "direct_blocks": dict(block_factor_limit=0.0),
-    "recompute_states": dict(save_states=False),
-    "recompute_logits": dict(save_logits=False),
-    "chunk32": dict(chunk=32),
-    "chunk64": dict(chunk=64),  # the default before session 22
-    "train_chunk64": dict(train_chunk=64),  # the training chunk before session 13
-    "separate_kv_states": dict(merge_kv_states=False),
-    "scan_one_pass": dict(scan_segment=None),
-    "scan_one_pass_8x32": dict(scan_segment=None, scan_tile=(8, 32)),
-    "scan_block_4096": dict(scan_block=4096),
-    "update_block_4096": dict(update_block=4096),  # the default before session 20
-    "ones_mask": dict(maskless=False),  # the default before session 20
-    "delta_pass": dict(delta_from_output=False),  # the default before session 21
-    "scan_segment_8": dict(scan_segment=8),
-    "scan_segment_32": dict(scan_segment=32),
-    "window_dkv_8warps": dict(window_dkv_warps=8),
-    "window_keys64": dict(window_dq_keys=64, window_dkv_keys=64),  # the default before session 22 (up to 64 rows)
-    "window_dq_keys64": dict(window_dq_keys=64),
-    "window_dkv_keys32": dict(window_dkv_keys=32),
-    "window_dkv_keys64": dict(window_dkv_keys=64),
-    "window_dq_keys16": dict(window_dq_keys=16),
-    "window_dkv_keys16": dict(window_dkv_keys=16),
-    "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
-    "window_dq_block32": dict(window_bwd_block=32),  # the default before session 21
-    "slot_bwd_8warps": dict(slot_bwd_warps=8),
-    "slot_bwd_keys_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_keys_merged_warps=None),
-    "slot_bwd_block8": dict(slot_bwd_block=8),
-    "slot_bwd_block32": dict(slot_bwd_block=32),
-    "slot_bwd_rows32_4warps": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=4),
-    "slot_bwd_rows32": dict(slot_bwd_rows_block=32, slot_bwd_rows_warps=8),  # sessions 7-16's rows kernel
-    "slot_bwd_rows8": dict(slot_bwd_rows_block=8, slot_bwd_rows_warps=4),
-    "slot_bwd_rows8_2warps": dict(slot_bwd_rows_block=8, slot_bwd_rows_warps=2),
-    "slot_bwd_rows16_8warps": dict(slot_bwd_rows_block=16, slot_bwd_rows_warps=8),
-    "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
-    "slot_bwd_columns64": dict(slot_bwd_columns=None),
-    "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
-    "slot_bwd_stages1": dict(slot_bwd_stages=1),  # the default before session 20
-    "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
-    "keys_da_32slots": dict(keys_da_slots=32),
-    "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4), slot_bwd_keys_merged_warps=None),
-    "keys_da_rows_block": dict(keys_da_rows_block=True),
-    "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
-    "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
-    "slot_bwd_uncapped": dict(slot_bwd_maxnreg={}),  # every slot-backward kernel at the compiler's registers
-    "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
-    "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
-    "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
-}
-
-
-def variant_overrides(name):
-    """The CONFIG overrides of a CONFIG_VARIANTS name, or of several names joined by "+" (later ones win)."""
-    overrides = {}
-    for part in name.split("+"):
-        if part not in CONFIG_VARIANTS:
-            raise KeyError(f"unknown kernel variant {part!r}; known: {', '.join(CONFIG_VARIANTS)}")
-        overrides.update(CONFIG_VARIANTS[part])
-    return overrides
 
 
 def inference_chunk(G):

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import chunk_fwd as cf
-from . import chunk_scan, decode, slot_bwd, window_bwd
+from . import chunk_scan, config, decode, slot_bwd, window_bwd
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
@@ -88,33 +88,33 @@ def cases(HQ, H, D, M):
     G = HQ // H
     cs = cf.inference_chunk(G)
     pow2 = triton.next_power_of_2
-    update = dict(H=H, M=M, DX=D, CSZ=cs, BD=cf.update_columns(M, D), PREC=cf.CONFIG["slot_precision"],
+    update = dict(H=H, M=M, DX=D, CSZ=cs, BD=cf.update_columns(M, D), PREC=config.CONFIG["slot_precision"],
                   ZERO_FIRST=True)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
-    segment = cf.CONFIG["scan_segment"] or 16
+    segment = config.CONFIG["scan_segment"] or 16
     slots = cf.scan_slice(M, D, segment)
     seg = dict(M=M, DX=D, DXP=pow2(D), BM=slots, K=segment, KB=pow2(segment), REVERSE=False)
     warps = chunk_scan.scan_warps(slots, D)
     out += [("chained scan", chunk_scan._chained_scan_kernel, dict(seg, HAS_X0=True), warps, 2),
             ("chained reverse scan", chunk_scan._chained_scan_kernel, dict(seg, REVERSE=True, HAS_X0=False), warps, 2)]
     auto = cf.fwd_block(G, cs)
-    stages = cf.CONFIG["num_stages"]
+    stages = config.CONFIG["num_stages"]
     for cq, sprec, vprec in [(auto, "tf32x3", "tf32x3"), (auto, "bf16x3", "bf16x3"), (auto, "tf32x3", "tf32"),
                              (auto, "tf32", "tf32"), (16, "bf16x3", "bf16x3"), (8, "tf32x3", "tf32")]:
         br = max(16, pow2(cq * G))
         warps = cf.fwd_warps(br, D)
-        consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, cf.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
+        consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, config.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
                       BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
-                      LIMIT=cf.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None)
+                      LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
                         dict(consts, SLOTS_FIRST=True), warps, stages))
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, stages))
-    train_cs = cf.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
+    train_cs = config.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
     cq = cf.fwd_block(G, train_cs)
     training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True)
@@ -124,7 +124,7 @@ def cases(HQ, H, D, M):
                 cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
     for cq in (window_bwd.CQ, 32):
         br = max(16, pow2(cq * G))
-        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=cf.CONFIG["window_dq_keys"], PREC="tf32",
+        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=config.CONFIG["window_dq_keys"], PREC="tf32",
                        HIGH=False)
         wwarps = 4 if br <= 64 else 8
         # the dq kernel forms delta from the forward's output (pointers) with CONFIG["delta_from_output"]
@@ -133,7 +133,7 @@ def cases(HQ, H, D, M):
                 (f"window delta block={cq}", window_bwd._dq_kernel, dict(wconsts, DELTA_ONLY=True, O=None, ORES=None),
                  wwarps, 2),
                 (f"window dkv block={cq}", window_bwd._dkv_kernel, dict(wconsts, BN=window_bwd.dkv_keys(64)),
-                 cf.CONFIG["window_dkv_warps"] or wwarps, 2)]
+                 config.CONFIG["window_dkv_warps"] or wwarps, 2)]
     dec = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, BR=max(16, pow2(G)), BN=decode.BLOCK, HAS_MASK=True,
                HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")
     out += [("decode, one block", decode._decode_kernel, dict(dec, SINGLE=True), 8, 2),
@@ -149,8 +149,9 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     pow2 = triton.next_power_of_2
 
     def constants(bq, sprec, columns):  # at the training chunk (the slot backward runs only in training)
-        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=cf.CONFIG["train_chunk"] or cf.inference_chunk(G),
-                    BR=max(16, pow2(bq * G)), BD=min(columns, D), SPREC=sprec, LIMIT=cf.CONFIG["block_factor_limit"])
+        return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=config.CONFIG["train_chunk"] or cf.inference_chunk(G),
+                    BR=max(16, pow2(bq * G)), BD=min(columns, D), SPREC=sprec,
+                    LIMIT=config.CONFIG["block_factor_limit"])
 
     out = []
     for bq, warps, sprec in launches:
@@ -168,7 +169,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,
                  dict(common, D=D, DV=D, DO_K=True, DO_V=False), warps, stages),
                 (f"slot bwd keys_da {tag}", slot_bwd._keys_da_kernel,
-                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, cf.CONFIG["keys_da_slots"] or M)), warps, stages)]
+                 dict(common, D=D, DV=D, PREC="tf32", BM=min(M, config.CONFIG["keys_da_slots"] or M)), warps, stages)]
     # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
     bq, _, sprec = launches[0]
     common = constants(bq, sprec, 128)
@@ -196,7 +197,7 @@ CAPPED = {slot_bwd._rows_kernel: "rows", slot_bwd._state_grad_kernel: "state_gra
 def main():
     shapes = [(32, 8, 128, 64), (9, 3, 64, 64)]
     # NHA_KERNEL_VARIANT=name reports the kernels under that CONFIG variant (e.g. chunk32), as the GPU tests take it
-    cf.CONFIG.update(cf.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")))
+    config.CONFIG.update(config.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")))
     quick = "--quick" in sys.argv
     slot_only = "--slot-bwd" in sys.argv  # only the slot backward kernels
     sass = "--sass" in sys.argv
@@ -208,7 +209,7 @@ def main():
                 continue
             ptrs = DECODE_POINTERS if name.startswith("decode") else None
             cap = slot_bwd.register_cap(CAPPED[fn]).get("maxnreg") if fn in CAPPED else None
-            if cf.CONFIG["maskless"] and "MASK" in fn.arg_names:  # as the wrappers launch them without padding
+            if config.CONFIG["maskless"] and "MASK" in fn.arg_names:  # as the wrappers launch them without padding
                 consts = dict(consts, MASK=None)
             print(f"{name:36s} {warps} warps, {stages} stages: {report(fn, consts, warps, stages, ptrs, cap, sass)}",
                   flush=True)

@@ -47,9 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (CONFIG, _block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
+from .chunk_fwd import (_block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
                         _chunk_cumsum, _cumsum_row, _query_rows, _real, _row_decay, _row_stats, _token_strides, alloc,
                         batch_strides, chained_scan, kv_states, launch, launched, scan_tile)
+from .config import CONFIG
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 

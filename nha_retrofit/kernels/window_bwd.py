@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import chunk_fwd
+from . import chunk_fwd, config
 from .chunk_fwd import _query_rows, _real, _row_stats, _token_strides
 from .fast_launch import cdiv, next_power_of_2
 
@@ -157,7 +157,7 @@ def window_delta(p, do, lse, scale):
         return torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
     delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
     do = do.contiguous()
-    args, meta = _launch(p, do, scale, chunk_fwd.CONFIG["window_bwd_block"] or CQ, chunk_fwd.CONFIG["window_dq_keys"])
+    args, meta = _launch(p, do, scale, config.CONFIG["window_bwd_block"] or CQ, config.CONFIG["window_dq_keys"])
     chunk_fwd.launch("window delta", _dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, None, None, lse, delta, p.mask, delta, *args, DELTA_ONLY=True,
                      **meta)
@@ -170,8 +170,8 @@ def window_dq(p, do, lse, delta, scale, output=None):
     rowsum(dO * O) into `delta` (which may be uninitialized); else `delta` must be complete."""
     do = do.contiguous()
     dqr = chunk_fwd.alloc(p.B, p.T, p.HQ, p.D, dtype=p.q_rope.dtype, device=do.device)
-    cq = chunk_fwd.CONFIG["window_bwd_block"] or CQ
-    args, meta = _launch(p, do, scale, cq, chunk_fwd.CONFIG["window_dq_keys"])
+    cq = config.CONFIG["window_bwd_block"] or CQ
+    args, meta = _launch(p, do, scale, cq, config.CONFIG["window_dq_keys"])
     chunk_fwd.launch("window dq", _dq_kernel, (cdiv(p.T, cq), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, *(output or (None, None)), lse, delta, p.mask, dqr, *args,
                      DELTA_ONLY=False, **meta)
@@ -182,7 +182,7 @@ def dkv_keys(W):
     """Keys per program of the dkv kernel for a window of W tokens: CONFIG["window_dkv_keys"], else 32 up to W = 64
     (the fewest computed pairs that do not spill) and 64 above (fewer query loads per key; both measured at their
     end: w = 64 and w = 512)."""
-    return chunk_fwd.CONFIG["window_dkv_keys"] or (32 if W <= 64 else 64)
+    return config.CONFIG["window_dkv_keys"] or (32 if W <= 64 else 64)
 
 
 def window_dkv(p, do, lse, delta, scale):
@@ -191,9 +191,9 @@ def window_dkv(p, do, lse, delta, scale):
     do = do.contiguous()
     dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
     dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
-    cq = chunk_fwd.CONFIG["window_dkv_block"] or chunk_fwd.CONFIG["window_bwd_block"] or CQ
+    cq = config.CONFIG["window_dkv_block"] or config.CONFIG["window_bwd_block"] or CQ
     args, meta = _launch(p, do, scale, cq, dkv_keys(p.W))
-    meta["num_warps"] = chunk_fwd.CONFIG["window_dkv_warps"] or meta["num_warps"]
+    meta["num_warps"] = config.CONFIG["window_dkv_warps"] or meta["num_warps"]
     chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
                      p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
     return dkr, dv

@@ -155,7 +155,7 @@ def bounds_checked():
 def run_operator(T, HQ, H, D, M, window, batch=2, side="left", decay=1.0, seed=0, variant=None):
     """nha_attention forward + backward (float32, CPU tensors, every Triton kernel of the training path) under
     `bounds_checked`; returns the output and gradients. Needs TRITON_INTERPRET=1 before Triton is imported.
-    `variant`: a chunk_fwd.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
+    `variant`: a config.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
     import os
 
     from interp_support import NAMES, kernels_grad

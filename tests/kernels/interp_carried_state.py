@@ -25,7 +25,7 @@ NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
 
 
 def main():
-    from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels import chunk_fwd, config
     from nha_retrofit.kernels.autograd import nha_chunked_triton
     from nha_retrofit.modeling.nha_chunked import nha_chunked
 
@@ -33,7 +33,7 @@ def main():
     print(f"seed {seed}")
     chunk_fwd.POISON = True
     for merge in (True, False):
-        chunk_fwd.CONFIG["merge_kv_states"] = merge
+        config.CONFIG["merge_kv_states"] = merge
         for first, second, window in ((77, 90, 20), (130, 41, 64)):
             x = make_inputs(2, first + second, 4, 2, 64, 32, dtype=torch.float32, seed=seed)
             head = [x[n][:, :first] for n in NAMES]

@@ -21,7 +21,7 @@ from nha_oracle import make_inputs, padding_mask  # noqa: E402
 
 
 def main():
-    from nha_retrofit.kernels import autograd, chunk_fwd
+    from nha_retrofit.kernels import autograd, chunk_fwd, config
 
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
@@ -41,7 +41,7 @@ def main():
     trained.sum().backward()
     constant = autograd.nha_attention(*inputs, window, x["scale"], mask, x["slot_bias"])  # nothing needs gradients
 
-    train, inference = chunk_fwd.CONFIG["train_chunk"], chunk_fwd.inference_chunk(HQ // H)
+    train, inference = config.CONFIG["train_chunk"], chunk_fwd.inference_chunk(HQ // H)
     assert train != inference, "the defaults no longer tell the two routes apart"
     assert chunks == [inference, train, inference], chunks
     assert leaves[0].grad is not None and leaves[0].grad.abs().sum() > 0

@@ -30,7 +30,7 @@ def check(name, got, want, tol=1e-5):
 
 
 def main():
-    from nha_retrofit.kernels import chunk_fwd, slot_bwd, workspace
+    from nha_retrofit.kernels import chunk_fwd, config, slot_bwd, workspace
     from nha_retrofit.kernels.chunk_scan import naive_chunk_scan, chained_chunk_scan
 
     chunk_fwd.POISON = True
@@ -70,7 +70,7 @@ def main():
     dec = torch.rand(B, H, nch, M, generator=gen)
     want = {}
     for segment in (None, 1, 2, 3):
-        chunk_fwd.CONFIG["scan_segment"] = segment
+        config.CONFIG["scan_segment"] = segment
         with bounds_checked():
             got, pairs = {}, {}
             for s in (0, 1):

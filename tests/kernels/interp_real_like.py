@@ -3,7 +3,7 @@ GPU-like numerics (`interp_numerics.py`: bf16 round-to-nearest, TF32 / 3xTF32 pr
 `nha_reference`: output and every gradient within the GPU suite's bf16 tolerance.
 
 Usage: [NHA_VARIANT=name] TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_real_like.py T HQ H D M window
-       batch [dtype]    (NHA_VARIANT: a chunk_fwd.CONFIG_VARIANTS name; default the defaults)
+       batch [dtype]    (NHA_VARIANT: a config.CONFIG_VARIANTS name; default the defaults)
 Prints one ERRORS line; exit status 1 when a tensor is off.
 """
 
@@ -20,7 +20,7 @@ TOL = {torch.bfloat16: 5e-3, torch.float32: 1e-5}
 
 
 def check(T, HQ, H, D, M, window, batch, dtype, seed=0, variant=None):
-    """`variant`: a chunk_fwd.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
+    """`variant`: a config.CONFIG_VARIANTS name (default: $NHA_VARIANT, else the defaults)."""
     from interp_numerics import gpu_numerics
     from interp_support import NAMES, kernels_grad, reference_grad, rel
     from nha_oracle import padding_mask

@@ -54,13 +54,13 @@ def rel(a, b):
 
 
 def use_variant(name):
-    """Apply the variant `name` (chunk_fwd.variant_overrides) to chunk_fwd.CONFIG; returns the previous CONFIG
+    """Apply the variant `name` (config.variant_overrides) to config.CONFIG; returns the previous CONFIG
     (restore with .update)."""
-    from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels import config
 
-    saved = dict(chunk_fwd.CONFIG)
+    saved = dict(config.CONFIG)
     if name:
-        chunk_fwd.CONFIG.update(chunk_fwd.variant_overrides(name))
+        config.CONFIG.update(config.variant_overrides(name))
     return saved
 
 
@@ -68,7 +68,7 @@ def kernels_grad(x, window, scale, mask, d_o, variant=None, hooks=()):
     """Output of `nha_attention` on the kernels and its gradients w.r.t. the NAMES inputs `x` (copies of them are
     differentiated): under CONFIG_VARIANTS[variant] (None: the defaults), outputs NaN-poisoned, inside the
     interpreter `hooks` (context managers: `bounds_checked()`, `gpu_numerics()`); CONFIG is restored after."""
-    from nha_retrofit.kernels import chunk_fwd
+    from nha_retrofit.kernels import chunk_fwd, config
     from nha_retrofit.kernels.autograd import nha_attention
 
     xs = {n: x[n].clone().requires_grad_(True) for n in NAMES}
@@ -82,8 +82,8 @@ def kernels_grad(x, window, scale, mask, d_o, variant=None, hooks=()):
             grads = torch.autograd.grad(out, [xs[n] for n in NAMES], d_o)
     finally:
         chunk_fwd.POISON = False
-        chunk_fwd.CONFIG.clear()
-        chunk_fwd.CONFIG.update(saved)
+        config.CONFIG.clear()
+        config.CONFIG.update(saved)
     return out, grads
 
 

@@ -14,7 +14,7 @@ from nha_oracle import make_inputs, padding_mask  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from nha_retrofit.kernels import (  # noqa: E402
-    chunk_fwd,
+    config,
     fast_launch,
     nha_attention,
     nha_chunked_triton,
@@ -64,9 +64,9 @@ def test_fast_launch_gives_triton_launch_bits_and_skips_its_path_when_warm(offse
         step(*inputs(0), padding_mask(2, 300, "left").cuda(), torch.randn(2, 300, 8, 64, device="cuda").bfloat16())
     mask = padding_mask(2, 300, "left").cuda()
     do = torch.randn(2, 300, 8, 64, device="cuda").bfloat16()
-    monkeypatch.setitem(chunk_fwd.CONFIG, "fast_launch", False)
+    monkeypatch.setitem(config.CONFIG, "fast_launch", False)
     want = step(leaves, scale, mask, do)
-    monkeypatch.setitem(chunk_fwd.CONFIG, "fast_launch", True)
+    monkeypatch.setitem(config.CONFIG, "fast_launch", True)
     step(leaves, scale, mask, do)  # first sight of these signatures: through Triton, kept
     calls = triton_launches(monkeypatch)
     got = step(leaves, scale, mask, do)
@@ -97,9 +97,9 @@ def test_decode_steps_reuse_their_kernels_and_give_triton_launch_bits(monkeypatc
     divisible by 16 or not; the address mod 16) repeat, so after 20 steps every step finds its kernel kept."""
     leaves, scale = inputs()
     mask = padding_mask(2, 300, "left").cuda()
-    monkeypatch.setitem(chunk_fwd.CONFIG, "fast_launch", False)
+    monkeypatch.setitem(config.CONFIG, "fast_launch", False)
     want = decode(leaves, scale, mask, 40, 200)
-    monkeypatch.setitem(chunk_fwd.CONFIG, "fast_launch", True)
+    monkeypatch.setitem(config.CONFIG, "fast_launch", True)
     calls = triton_launches(monkeypatch)
     got = decode(leaves, scale, mask, 40, 200, on_step=lambda step: calls.clear() if step == 20 else None)
     assert not calls, f"decode launches through Triton's path after 20 steps: {calls}"

@@ -65,15 +65,3 @@ CASES = [
 def test_variant_matches_float64_under_interpreter(variant, case):
     run_interp_script("interp_variant.py", variant, *case, expect="OK (in bounds)")
 
-
-def test_config_variants_name_known_settings():
-    """Every variant overrides existing CONFIG entries (a typo would silently time the defaults), and FORWARD_KEYS
-    (which variants ops.py times forward-only) names existing entries."""
-    from nha_retrofit.kernels import chunk_fwd
-
-    for name, overrides in chunk_fwd.CONFIG_VARIANTS.items():
-        assert set(overrides) <= set(chunk_fwd.CONFIG), name
-    assert chunk_fwd.FORWARD_KEYS <= set(chunk_fwd.CONFIG)
-    assert chunk_fwd.variant_overrides("fwd_block16+slot_bwd_block8") == dict(fwd_block=16, slot_bwd_block=8)
-    with pytest.raises(KeyError, match="unknown kernel variant"):
-        chunk_fwd.variant_overrides("defaults+no_such_variant")

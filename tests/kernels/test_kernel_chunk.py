@@ -19,14 +19,15 @@ if not torch.cuda.is_available():
 from nha_oracle import make_inputs, padding_mask  # noqa: E402
 from real_like import real_like_inputs  # noqa: E402
 
-from nha_retrofit.kernels import chunk_fwd, nha_attention, nha_chunked_triton, nha_recurrent_step_triton  # noqa: E402
+from nha_retrofit.kernels import (  # noqa: E402
+    chunk_fwd, config, nha_attention, nha_chunked_triton, nha_recurrent_step_triton)
 from nha_retrofit.modeling.nha_chunked import nha_chunked  # noqa: E402
 from nha_retrofit.modeling.nha_gates import gate_log_alpha  # noqa: E402
 from nha_retrofit.ops.reference import nha_reference  # noqa: E402
 
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3, torch.float32: 1e-4}
-DEFAULTS = dict(chunk_fwd.CONFIG)
+DEFAULTS = dict(config.CONFIG)
 
 # (T, HQ, H, D, M, window, dtype, batch)
 COMBOS = [
@@ -75,8 +76,8 @@ def poison(monkeypatch):
     # instead of surfacing at a later launch (v4 H200 run: reported at the window backward's launch)
     monkeypatch.setenv("NHA_KERNEL_SYNC", "1")
     # NHA_KERNEL_VARIANT=name (or name+name...) runs the whole file under that CONFIG variant (a candidate default)
-    for key, value in chunk_fwd.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")).items():
-        monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
+    for key, value in config.variant_overrides(os.environ.get("NHA_KERNEL_VARIANT", "defaults")).items():
+        monkeypatch.setitem(config.CONFIG, key, value)
     chunk_fwd.POISON = True
     yield
     chunk_fwd.POISON = False
@@ -116,7 +117,7 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
     assert (out[mask == 0] == 0).all(), "padding queries must output exactly 0"
     bad = {k: v for k, v in errors.items() if not v <= tol}
     summary = " ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    changed = {k: v for k, v in chunk_fwd.CONFIG.items() if DEFAULTS.get(k) != v}
+    changed = {k: v for k, v in config.CONFIG.items() if DEFAULTS.get(k) != v}
     print(f"\nERRORS {combo} {changed or 'defaults'}: {summary}")
     assert not bad, f"tolerance {tol}: {summary}"
 
@@ -411,7 +412,7 @@ def test_shape_sweep_matches_float64_reference(shape):
         test_forward_backward_matches_float64_reference((T, HQ, H, D, M, window, torch.bfloat16, batch))
 
 
-VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
+VARIANTS = {name: config.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
     "values_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states", "recompute_logits",
     "train_chunk64", "slot_bwd_8warps", "slot_bwd_block8", "slot_bwd_split_keys", "fwd_window_first", "tf32x3",
     "tf32x3_window_first", "scan_one_pass_8x32", "scan_block_4096", "update_block_4096", "ones_mask",
@@ -429,7 +430,7 @@ VARIANTS = {name: chunk_fwd.CONFIG_VARIANTS[name] for name in (  # the defaults 
 def test_config_variants_match_float64_reference(combo, variant, monkeypatch):
     """The same check under each CONFIG variant (the defaults are covered above)."""
     for key, value in VARIANTS[variant].items():
-        monkeypatch.setitem(chunk_fwd.CONFIG, key, value)
+        monkeypatch.setitem(config.CONFIG, key, value)
     test_forward_backward_matches_float64_reference(combo)
 
 
