@@ -40,13 +40,27 @@ def _has_slots(prep, filled0_any=False):
 _SIDE_STREAMS = {}  # CUDA device index -> the second stream the window backward's key kernel may run on
 
 
-def _side_stream(device):
-    """A second stream of `device` that first waits for the current stream's work so far."""
-    side = _SIDE_STREAMS.get(device.index)
+def _window_dkv_beside(p, do, lse, delta, scale):
+    """`window_dkv` for a backward whose delta is already whole: from CONFIG["overlap_window_dkv"] tokens on a second
+    CUDA stream, beside the slot backward that follows. Returns (dk_rope, dv, join): join() makes the current stream
+    wait for them (a no-op where they were formed on it)."""
+    overlap_from = config.CONFIG["overlap_window_dkv"]
+    if not (do.is_cuda and overlap_from and p.B * p.T >= overlap_from):
+        return (*window_dkv(p, do, lse, delta, scale), lambda: None)
+    main = torch.cuda.current_stream(do.device)
+    side = _SIDE_STREAMS.get(do.device.index)
     if side is None:
-        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
+        side = _SIDE_STREAMS[do.device.index] = torch.cuda.Stream(do.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        dkr, dv = window_dkv(p, do, lse, delta, scale)
+
+    def join():  # the outputs are then used, and freed, on the current stream
+        main.wait_stream(side)
+        dkr.record_stream(main)
+        dv.record_stream(main)
+
+    return dkr, dv, join
 
 
 class _NHAFunction(torch.autograd.Function):
@@ -78,39 +92,28 @@ class _NHAFunction(torch.autograd.Function):
         # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): rowsum(dO * O) of the forward's
         # fp32-accurate output, formed by the window dq kernel; or the window share here and the slot share
         # added by the slot backward
-        exact = o is not None
-        # with delta whole after the window dq kernel, the window's key kernel needs nothing of the slot backward:
-        # from CONFIG["overlap_window_dkv"] tokens it runs on a second stream beside it
-        side = None
-        if exact:
-            delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
-            dqr = window_dq(p, do, lse, delta, scale, (o, residual))
-            overlap_from = config.CONFIG["overlap_window_dkv"]
-            if ctx.has_slots and do.is_cuda and overlap_from and p.B * p.T >= overlap_from:
-                side = _side_stream(do.device)
-                with torch.cuda.stream(side):
-                    dkr, dv_w = window_dkv(p, do, lse, delta, scale)
-        else:
-            delta = window_delta(p, do, lse, scale)
+        exact = o is not None  # (then there are slots and a window)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
         bias_grad = ctx.needs_input_grad[6]
-        if ctx.has_slots:
-            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad, exact)
-        else:  # every position sees its whole past through the window
-            dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
-            dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ) if bias_grad else None
-        if p.W > 0:
-            if not exact:
-                dqr = window_dq(p, do, lse, delta, scale)
-            if side is None:
-                dkr, dv_w = window_dkv(p, do, lse, delta, scale)
-            else:  # join; the side stream's outputs are now used (and freed) on this one
-                main = torch.cuda.current_stream(do.device)
-                main.wait_stream(side)
-                dkr.record_stream(main)
-                dv_w.record_stream(main)
-            dv = torch.add(dv, dv_w, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
+        if exact:  # delta is whole after the window dq kernel: the window's key kernel needs nothing of the slot
+            # backward, which sums the two halves' dv
+            delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
+            dqr = window_dq(p, do, lse, delta, scale, (o, residual))
+            dkr, dv_w, join = _window_dkv_beside(p, do, lse, delta, scale)
+            dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad, True, dv_w,
+                                                          join)
         else:
+            delta = window_delta(p, do, lse, scale)
+            if ctx.has_slots:
+                dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad)
+            else:  # every position sees its whole past through the window
+                dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
+                dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ) if bias_grad else None
+        if p.W > 0 and not exact:
+            dqr = window_dq(p, do, lse, delta, scale)
+            dkr, dv_w = window_dkv(p, do, lse, delta, scale)
+            dv = torch.add(dv, dv_w, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
+        elif p.W == 0:
             dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731 (a no-op for what the kernels store in the inputs' dtypes)
         return (

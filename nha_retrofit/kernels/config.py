@@ -107,6 +107,9 @@ CONFIG = {
     # kernel runs on a second CUDA stream beside the slot backward (where delta is whole before either:
     # delta_from_output). On the H200 32K 7.22 -> 7.19 ms, 8K 1.928 -> 1.896, w = 512 32K 10.53 -> 10.42; at 4K,
     # host-bound, the fork and join cost more host time than they save (NOTES.md session 23)
+    "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
+    # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
+    # the slot half's fp32 dv stored, then a PyTorch add of both)
     "maskless": True,  # without an attention mask the kernels get MASK = None, a specialization that loads no mask
     # (False: an all-ones mask, loaded as with padding)
     "fast_launch": True,  # launches through `fast_launch` (False: Triton's `kernel[grid](...)`, ~50 us more host
@@ -182,6 +185,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_uncapped": dict(slot_bwd_maxnreg={}),  # every slot-backward kernel at the compiler's registers
     "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
     "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
+    "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }
 

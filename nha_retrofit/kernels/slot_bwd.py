@@ -223,13 +223,17 @@ def _store_keys(OUT, acc, b, j, h, so_b, so_t, so_h, offs_c, T, W):
 
 
 @triton.jit
-def _store_tail_zeros(OUT, b, h, so_b, so_t, so_h, cols, cs0, T, W, CSZ: tl.constexpr, BC: tl.constexpr):
+def _store_tail(OUT, SRC, b, h, so_b, so_t, so_h, cols, cs0, T, W, CSZ: tl.constexpr, BC: tl.constexpr):
     """Zeros into OUT[b, j, h, cols] (BC columns) for this chunk's share j = T - W + cs0 + (0 .. CS - 1), j < T, of
     the last W tokens: no stream chunk holds them (no query reads them through the slots), and the T / CS chunks of
-    a grid clear all W < T of them."""
+    a grid clear all W < T of them. With SRC (not None: the window half's gradient, in OUT's layout) its rows
+    instead."""
     jt = T - W + cs0 + tl.arange(0, CSZ)
-    tl.store(OUT + (b * so_b + jt.to(tl.int64) * so_t + h * so_h)[:, None] + cols[None, :],
-             tl.zeros([CSZ, BC], dtype=OUT.dtype.element_ty), mask=(jt < T)[:, None])
+    rows = (b * so_b + jt.to(tl.int64) * so_t + h * so_h)[:, None] + cols[None, :]
+    tail = tl.zeros([CSZ, BC], dtype=tl.float32)
+    if SRC is not None:
+        tail = tl.load(SRC + rows, mask=(jt < T)[:, None], other=0.0)
+    tl.store(OUT + rows, tail.to(OUT.dtype.element_ty), mask=(jt < T)[:, None])
 
 
 @triton.jit
@@ -499,7 +503,7 @@ def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, T, W, NCH, L,
     real = _real(MASK, b, T, j, inside)
     tl.store(DLA + b * sd_b + j[:, None].to(tl.int64) * sd_t + h * sd_h + offs_m[None, :],
              tl.where(real[:, None], dla, 0.0).to(DLA.dtype.element_ty), mask=inside[:, None])
-    _store_tail_zeros(DLA, b, h, sd_b, sd_t, sd_h, offs_m, c * CSZ, T, W, CSZ, BM)
+    _store_tail(DLA, None, b, h, sd_b, sd_t, sd_h, offs_m, c * CSZ, T, W, CSZ, BM)
 
 
 def _log_alpha_grad(p, dA, xa, totals):
@@ -600,15 +604,15 @@ def _keys_kernel(
             acc_v += dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
     if DO_K:
         _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
-        _store_tail_zeros(DK, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
+        _store_tail(DK, None, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
     if DO_V:
         _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
-        _store_tail_zeros(DV_, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
+        _store_tail(DV_, None, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
 
 
 @triton.jit
 def _keys_merged_kernel(
-    Q, K, V, DO, WK, WV, RK, RV, G, MASK, E, DK, DV_, DA, XA, TOT,
+    Q, K, V, DO, WK, WV, RK, RV, G, MASK, E, DK, DV_, DVW, DA, XA, TOT,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
@@ -617,7 +621,8 @@ def _keys_merged_kernel(
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
-    weights Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both."""
+    weights Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both. With DVW
+    (the window half's fp32 dv, v's layout) dv is the sum of both halves, rounded once into DV_."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
@@ -648,9 +653,13 @@ def _keys_merged_kernel(
         uv += _da_weights(tl.dot(vc, tl.trans(dob), input_precision=PREC), wv, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
                           off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
     _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
-    _store_tail_zeros(DK, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
+    _store_tail(DK, None, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
+    if DVW is not None:
+        jv = (j >= 0) & (j < T - W)
+        acc_v += tl.load(DVW + (b * sv_b + j.to(tl.int64) * sv_t + h * sv_h)[:, None] + offs_c[None, :],
+                         mask=jv[:, None], other=0.0)
     _store_keys(DV_, acc_v, b, j, h, sv_b, sv_t, sv_h, offs_c, T, W)
-    _store_tail_zeros(DV_, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
+    _store_tail(DV_, DVW, b, h, sv_b, sv_t, sv_h, offs_c, cs0, T, W, CSZ, BD)
     _store_da(E, DA, XA, TOT, uv, g, jr, pid_bh, c, cs0, offs_m, T, L, NCH, M, CSZ)
 
 
@@ -673,9 +682,14 @@ def pipeline_stages(rows, dim):
     return CONFIG["slot_bwd_stages"] if rows * dim <= CONFIG["slot_bwd_stages_block"] else 1
 
 
-def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, delta_whole=False):
+def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, delta_whole=False, dv_window=None,
+                         window_ready=None):
     """Gradients of the slot half: (dq, dk, dv, dlog_alpha, dslot_bias or None without `bias_grad`); dq, dk and
     dlog_alpha in the inputs' dtypes (stored once, rounded in the kernel), dv and dslot_bias fp32.
+
+    With `dv_window` (the window half's fp32 dv) dv is the sum of both halves in v's dtype, rounded once: summed by
+    the merged key kernel where it runs (CONFIG["fold_dv_sum"]), else by PyTorch at the end. `window_ready`, if
+    given, is called before anything reads `dv_window` (it joins the stream that formed it).
 
     `delta` holds sum P * dP (`delta_whole`: from `window_bwd.window_dq` with the forward's exact output), or its
     window share (`window_bwd.window_delta`) and is completed in place with the slot share, for the window backward
@@ -734,19 +748,24 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         )
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
                                                                          reverse_scan(cv, dec))
-    dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
-    dv = alloc(B, T, H, DV, dtype=f32, device=dev)
-    dA = alloc(B, H, L, M, dtype=f32, device=dev)
-    xa = alloc(B, H, L, M, dtype=f32, device=dev)
-    totals = alloc(B, H, M, n, dtype=f32, device=dev)
     merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
     bm = min(M, CONFIG.get("keys_da_slots") or M)
     merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
     # and the keys_da kernel's work too (not when keys_da should take the rows kernel's blocks)
-    if merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]:
+    one_key_kernel = merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]
+    fold = dv_window is not None and one_key_kernel and CONFIG["fold_dv_sum"]
+    dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
+    dv = alloc(B, T, H, DV, dtype=p.v.dtype if fold else f32, device=dev)
+    dA = alloc(B, H, L, M, dtype=f32, device=dev)
+    xa = alloc(B, H, L, M, dtype=f32, device=dev)
+    totals = alloc(B, H, M, n, dtype=f32, device=dev)
+    if window_ready is not None:
+        window_ready()
+    if one_key_kernel:
         launch(
             "slot bwd keys merged", _keys_merged_kernel, (n, B * H),
-            p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dA, xa, totals,
+            p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dv_window if fold else None,
+            dA, xa, totals,
             *strides, T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
@@ -762,4 +781,6 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             p.q, p.k, p.v, do, p.log_alpha, p.mask, wk, wv, E, rk, rv, dA, xa, totals, *strides, T, W,
             n, L, D=D, DV=DV, PREC=p.prec, BM=bm, **da_launch,
         )
+    if dv_window is not None and not fold:
+        dv = torch.add(dv, dv_window, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
     return dq, dk, dv, _log_alpha_grad(p, dA, xa, totals), dbr.sum((0, 1)) if bias_grad else None

@@ -412,7 +412,7 @@ def test_shape_sweep_matches_float64_reference(shape):
         test_forward_backward_matches_float64_reference((T, HQ, H, D, M, window, torch.bfloat16, batch))
 
 
-VARIANTS = {name: config.CONFIG_VARIANTS[name] for name in (  # the defaults are covered above
+VARIANTS = {name: config.variant_overrides(name) for name in (  # the defaults are covered above
     "values_tf32", "fwd_block8", "fwd_warps4", "direct_blocks", "recompute_states", "recompute_logits",
     "train_chunk64", "slot_bwd_8warps", "slot_bwd_block8", "slot_bwd_split_keys", "fwd_window_first", "tf32x3",
     "tf32x3_window_first", "scan_one_pass_8x32", "scan_block_4096", "update_block_4096", "ones_mask",
@@ -421,7 +421,7 @@ VARIANTS = {name: config.CONFIG_VARIANTS[name] for name in (  # the defaults are
     "slot_bwd_rows32_4warps", "slot_bwd_keys_block8", "slot_bwd_columns128_8warps", "separate_kv_states",
     "slot_bwd_columns64", "keys_da_8warps", "slot_bwd_stages1", "keys_da_rows_block", "keys_separate",
     "keys_merged_4warps", "scan_segment_32", "slot_bwd_uncapped", "delta_pass", "window_keys64", "window_dkv_keys16",
-    "overlap_dkv")}
+    "overlap_dkv", "dv_sum_apart", "overlap_dkv+dv_sum_apart")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
