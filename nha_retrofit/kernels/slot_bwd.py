@@ -31,7 +31,7 @@ kernels take CONFIG["slot_bwd_columns"] columns per program (128 by default: all
   shifted by the window, masked, transposed, zero on padding and on the last W tokens).
 - `_keys_merged_kernel` (the default where it applies: D == DV, all D columns and all M slots in one program):
   the keys and keys_da kernels' work in one program per (chunk, kv head), each row block's weights and rows loaded
-  once for both.
+  once for both; given the window half's dv (`dv_window`), it stores the sum of both halves.
 Slot weights inside a chunk are factored around each query block's start (`chunk_fwd._block_split`): tokens
 before the block take exp(a_u - a_ref) exp(a_ref - a_j), both <= 1, and so do the block's own tokens unless the
 block decays a slot by more than CONFIG["block_factor_limit"] nats; then they get direct weights
