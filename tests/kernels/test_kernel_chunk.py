@@ -20,7 +20,7 @@ from nha_oracle import make_inputs, padding_mask  # noqa: E402
 from real_like import real_like_inputs  # noqa: E402
 
 from nha_retrofit.kernels import (  # noqa: E402
-    chunk_fwd, config, nha_attention, nha_chunked_triton, nha_recurrent_step_triton)
+    autograd, chunk_fwd, config, nha_attention, nha_chunked_triton, nha_recurrent_step_triton)
 from nha_retrofit.modeling.nha_chunked import nha_chunked  # noqa: E402
 from nha_retrofit.modeling.nha_gates import gate_log_alpha  # noqa: E402
 from nha_retrofit.ops.reference import nha_reference  # noqa: E402
@@ -129,12 +129,17 @@ def test_value_dim_other_than_head_dim(D, DV):
     test_forward_backward_matches_float64_reference((300, 8, 2, D, 64, 40, torch.bfloat16, 2), value_dim=DV)
 
 
-@pytest.mark.parametrize("masked", [True, False], ids=["mask_and_bias", "neither"])
-def test_training_step_replays_from_a_cuda_graph(monkeypatch, masked):
+@pytest.mark.parametrize("case", ["mask_and_bias", "neither", "second_stream"])
+def test_training_step_replays_from_a_cuda_graph(monkeypatch, case):
     """Forward + backward capture in one CUDA graph (no host synchronization, no data-dependent host work: the
     remedy for host-bound short sequences); a replay on new input values equals the eager step bit for bit.
-    Without a mask and a slot bias the kernels read cached constant fills (`chunk_fwd.constant`)."""
+    Without a mask and a slot bias the kernels read cached constant fills (`chunk_fwd.constant`). With
+    "second_stream" the window's key kernel runs on the second stream (CONFIG["overlap_window_dkv"]), which the
+    first backward on a device makes: here inside the capture."""
     monkeypatch.setenv("NHA_KERNEL_SYNC", "0")  # a synchronization inside a capture is an error
+    masked = case == "mask_and_bias"
+    if case == "second_stream":
+        monkeypatch.setitem(config.CONFIG, "overlap_window_dkv", 1)
     T, HQ, H, D, M, window, dtype = 300, 8, 2, 64, 64, 40, torch.bfloat16
     first = cuda_inputs(T, HQ, H, D, M, dtype, 2)
     names = NAMES if masked else NAMES[:6]
@@ -151,6 +156,7 @@ def test_training_step_replays_from_a_cuda_graph(monkeypatch, masked):
     with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
         step()
     torch.cuda.current_stream().wait_stream(side)
+    monkeypatch.setattr(autograd, "_SIDE_STREAMS", {})  # (a second stream is made anew where one is used)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
@@ -261,8 +267,6 @@ def test_batch_beyond_int32_offsets_runs_in_slices():
     """5 sequences of 128K tokens at the Llama-3-8B shape hold 2.7e9 elements per q-sized tensor, past the kernels'
     int32 offsets (batch index x batch stride): the call runs in batch slices (`autograd.batch_slices`: 3 + 2), and
     the last sequence's output equals its own call's (unsliced, its offsets would reach 2^31)."""
-    from nha_retrofit.kernels import autograd
-
     B, T, HQ, H, D, M, window, dtype = 5, 2**17, 32, 8, 128, 64, 64, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     r = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=dtype)  # noqa: E731
@@ -281,8 +285,6 @@ def test_batch_slices_equal_one_call(monkeypatch):
     """With the offset limit lowered to one sequence per slice, training (output, every gradient) equals one call;
     the slot bias's bf16 gradient is summed per slice and rounded to bf16 before the slices add up: two roundings
     of 2^-8 relative at most (H200: 3.2e-3 and 5.1e-3 on two draws)."""
-    from nha_retrofit.kernels import autograd
-
     T, HQ, H, D, M, window, dtype, batch = 300, 8, 2, 64, 32, 40, torch.bfloat16, 3
     inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch)
     mask = padding_mask(batch, T, "left").cuda()
