@@ -9,6 +9,12 @@ from pathlib import Path
 from .errors import NHARetrofitError
 
 
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def check_output_folder(dest: Path, overwrite: bool) -> None:
     """Refuse before any work starts, so a mistake costs nothing."""
     if dest.exists() and not overwrite:
@@ -25,9 +31,7 @@ def atomic_folder(dest: Path, overwrite: bool = False):
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's private 0700 would otherwise become the output's mode
+        tmp.chmod(0o777 & ~current_umask())  # mkdtemp's private 0700 would otherwise become the output's mode
     except OSError as error:
         raise NHARetrofitError(f"cannot write to {dest.parent}: {error.strerror}") from None
     try:
@@ -41,3 +45,24 @@ def atomic_folder(dest: Path, overwrite: bool = False):
             os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(dest: Path):
+    """Yield a temporary path beside `dest`; on success it replaces `dest`, on error it goes."""
+    dest = Path(dest)
+    if dest.is_dir():
+        raise NHARetrofitError(f"output {dest} is a folder, expected a file path")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+        os.close(handle)
+        os.chmod(name, 0o666 & ~current_umask())  # mkstemp's private 0600 would otherwise become the file's mode
+    except OSError as error:
+        raise NHARetrofitError(f"cannot write to {dest.parent}: {error.strerror}") from None
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)

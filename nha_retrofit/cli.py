@@ -29,13 +29,15 @@ def user_errors(command):
     return wrapper
 
 
-def parse_layer_ids(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
+def parse_ints(text: str, expected: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected comma-separated layer numbers such as 3,11,19,27") from None
+        raise typer.BadParameter(f"{text!r}: expected comma-separated {expected}") from None
+
+
+def parse_layer_ids(text: str | None) -> list[int] | None:
+    return None if text is None else parse_ints(text, "layer numbers such as 3,11,19,27")
 
 
 ModelArgument = Annotated[str, typer.Argument(help="Local folder, Hub id in the local HF cache, or 'smollm2-135m'.")]
@@ -132,6 +134,35 @@ def evaluate(
         typer.echo(f"| {name} | " + " | ".join(f"{row[v]:.2f}" for v in variants) + " |")
     if prompt:
         typer.echo(f"\n{prompt}{generate_text(checkpoint, prompt)}")
+
+
+@app.command()
+@user_errors
+def bench(
+    checkpoint: Annotated[Path, typer.Argument(help="An NHA checkpoint folder (converted or exported).")],
+    contexts: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "512,2048",
+    decode_steps: Annotated[int, typer.Option(help="Greedy one-token steps timed after each prefill.")] = 16,
+    rounds: Annotated[int, typer.Option(help="Alternating rounds, original then NHA; medians are reported.")] = 3,
+    device: Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = (
+        "auto"
+    ),
+    json_output: Annotated[Path | None, typer.Option("--json", help="Also write the measurements to this file.")] = None,
+):
+    """Prefill ms, decode ms per token and cache size: the checkpoint against its original (same weights), batch 1."""
+    import json
+
+    from .atomic import atomic_file
+    from .eval.speed import benchmark_checkpoint, format_table
+
+    report = benchmark_checkpoint(
+        checkpoint, parse_ints(contexts, "context lengths such as 512,2048"), decode_steps=decode_steps,
+        rounds=rounds, device=device, dtype=dtype, progress=True,
+    )
+    typer.echo(format_table(report))
+    if json_output is not None:
+        with atomic_file(json_output) as tmp:
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
 
 
 @app.command()

@@ -123,6 +123,13 @@ def build_plan(
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def nha_state_bytes(kv_heads: int, head_dim: int, slots: int, window: int, width: int) -> int:
+    """Bytes of one sequence's NHA layer state once `window` tokens were seen (the fields of `NHAState`): float32
+    slot keys and values; per window token pre- and post-RoPE keys and values (`width` bytes each), float32 gates
+    and a padding flag; a flag for filled slots and an int64 ring start."""
+    return 2 * kv_heads * slots * head_dim * 4 + window * (kv_heads * (3 * head_dim * width + 4 * slots) + 1) + 1 + 8
+
+
 def describe_for_model(model: str, **plan_args) -> str:
     """The plan for `model` as a table: per layer window, slots, new parameters and cache cost."""
     from .convert.converter import read_source_config_dict
@@ -143,7 +150,7 @@ def describe_for_model(model: str, **plan_args) -> str:
         if window is None:
             lines.append(f"| {layer} | full | - | {params:,} (unused) | {kv_per_token:,} B per token |")
             continue
-        state = 2 * kv_heads * plan.num_slots * head_dim * 4 + window * kv_heads * (3 * head_dim * width + plan.num_slots * 4 + 1)
+        state = nha_state_bytes(kv_heads, head_dim, plan.num_slots, window, width)
         fixed_bytes += state
         lines.append(f"| {layer} | {window} | {plan.num_slots} | {params:,} | {state:,} B fixed |")
     full = len(plan.full_layer_ids)

@@ -1,8 +1,10 @@
-"""Shared fixtures: the real SmolLM2 (embedded default) converted once per test session."""
+"""Shared fixtures: the real SmolLM2 (embedded default) converted once per test session; one small converted model
+of every supported family."""
 
 import pytest
 
-from tiny_models import tiny_llama
+from real_tokenizers import FAMILY_TOKENIZERS
+from tiny_models import FAMILY_CONFIGS, tiny_family_model, tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +23,18 @@ def tiny_llama_folder(tmp_path):
     folder = tmp_path / "tiny-llama"
     tiny_llama(seed=7, attention_bias=True).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session", params=list(FAMILY_CONFIGS))
+def family(request, tmp_path_factory):
+    """(family, original model, original folder, converted folder): 2 of 6 layers full, w=3, M=5."""
+    from nha_retrofit.convert import convert
+
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
+    original = tiny_family_model(name, seed=3)
+    original.save_pretrained(folder / "original")
+    FAMILY_TOKENIZERS[name]().save_pretrained(folder / "original")
+    out = convert(folder / "original", folder / "nha", full_layers=2, window=3, slots=5, slot_bias_init=-1.0,
+                  log=lambda *_: None)
+    return name, original, folder / "original", out

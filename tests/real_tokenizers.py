@@ -46,3 +46,7 @@ def qwen2_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=converter.converted(), eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
+
+
+# The real tokenizer of each family in tiny_models.FAMILY_CONFIGS
+FAMILY_TOKENIZERS = {"llama3": llama3_tokenizer, "qwen2.5": qwen2_tokenizer, "qwen3_moe": qwen2_tokenizer}

@@ -8,28 +8,12 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from nha_retrofit.convert import convert
 from nha_retrofit.eval.compare import load_nha_checkpoint
-from real_tokenizers import llama3_tokenizer, qwen2_tokenizer
+from real_tokenizers import FAMILY_TOKENIZERS
 from tiny_models import tiny_family_model
-
-FAMILIES = ["llama3", "qwen2.5", "qwen3_moe"]
-TOKENIZERS = {"llama3": llama3_tokenizer, "qwen2.5": qwen2_tokenizer, "qwen3_moe": qwen2_tokenizer}
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(family, original model, original folder, converted folder): 2 of 6 layers full, w=3, M=5."""
-    name = request.param
-    folder = tmp_path_factory.mktemp(name)
-    original = tiny_family_model(name, seed=3)
-    original.save_pretrained(folder / "original")
-    TOKENIZERS[name]().save_pretrained(folder / "original")
-    out = convert(folder / "original", folder / "nha", full_layers=2, window=3, slots=5, slot_bias_init=-1.0,
-                  log=lambda *_: None)
-    return name, original, folder / "original", out
 
 
 def sample_ids(model, length=48, batch=2, seed=0):
@@ -64,7 +48,7 @@ def test_cached_generation_equals_a_full_forward(family):
 def test_real_tokenizer_is_copied(family):
     name, _, _, out = family
     text = "Native Hybrid Attention: slots + a sliding window, one softmax."
-    assert AutoTokenizer.from_pretrained(out)(text).input_ids == TOKENIZERS[name]()(text).input_ids
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == FAMILY_TOKENIZERS[name]()(text).input_ids
 
 
 def test_plan_replaces_the_original_window_settings(family):

@@ -1,0 +1,102 @@
+"""`nha-retrofit bench`: the original it measures against is the real original, and the cache sizes it reports are
+the bytes the caches hold (checked against the plan's formula)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from nha_retrofit.cli import app
+from nha_retrofit.convert import convert
+from nha_retrofit.eval.compare import load_nha_checkpoint
+from nha_retrofit.eval.speed import benchmark_checkpoint, context_tokens, original_sharing_weights
+from nha_retrofit.eval.texts import load_heldout_tokens
+from nha_retrofit.plan import nha_state_bytes
+from tiny_models import TINY_LLAMA, tiny_llama
+
+WINDOW, SLOTS = 8, 5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny converted Llama without a tokenizer: layer 0 full, layers 1-3 NHA (w=8, M=5)."""
+    folder = tmp_path_factory.mktemp("bench")
+    tiny_llama(seed=11).save_pretrained(folder / "original")
+    return convert(folder / "original", folder / "nha", full_layer_ids=[0], window=WINDOW, slots=SLOTS,
+                   log=lambda *_: None)
+
+
+def test_original_sharing_weights_is_the_original_model(family):
+    """The same logits as the original checkpoint loaded by transformers, on the NHA model's own tensors."""
+    _, original, _, out = family
+    nha = load_nha_checkpoint(out)
+    rebuilt = original_sharing_weights(nha)
+    assert type(rebuilt) is type(original)
+    shared = {p.data_ptr() for p in nha.parameters()}
+    assert all(p.data_ptr() in shared and not p.is_meta for p in rebuilt.parameters())
+    assert not any(b.is_meta for b in rebuilt.buffers())
+    ids = torch.randint(0, original.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (rebuilt(ids).logits - original(ids).logits).abs().max() <= 1e-5
+
+
+def test_context_is_held_out_text_or_random_ids(family, checkpoint):
+    """With a tokenizer: the held-out Python text, repeated when the context is longer; without: random ids."""
+    _, original, _, out = family
+    text = load_heldout_tokens(AutoTokenizer.from_pretrained(out), "python-stdlib", 100_000)[0]
+    ids = context_tokens(out, text.numel() + 7, original.config.vocab_size, "cpu")
+    assert ids.shape == (1, text.numel() + 7)
+    assert torch.equal(ids[0, : text.numel()], text) and torch.equal(ids[0, text.numel() :], text[:7])
+    ids = context_tokens(checkpoint, 300, TINY_LLAMA["vocab_size"], "cpu")
+    assert ids.shape == (1, 300) and 0 <= ids.min() and ids.max() < TINY_LLAMA["vocab_size"] and ids.unique().numel() > 50
+
+
+@pytest.mark.parametrize("contexts", [(9, 111), (63,)])
+def test_bench_reports_the_bytes_each_cache_holds(checkpoint, contexts):
+    report = benchmark_checkpoint(checkpoint, contexts, decode_steps=3, rounds=2)
+    heads, layers = TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["num_hidden_layers"]
+    head_dim = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
+    full_layer_per_token = 2 * heads * head_dim * 4  # float32 keys and values
+    rows = {(r["context"], r["model"]): r for r in report["results"]}
+    assert sorted(rows) == sorted((t, m) for t in contexts for m in ("original", "nha"))
+    for t in contexts:
+        assert rows[t, "original"]["cache_bytes"] == layers * t * full_layer_per_token
+        nha_state = nha_state_bytes(heads, head_dim, SLOTS, WINDOW, 4)
+        assert rows[t, "nha"]["cache_bytes"] == t * full_layer_per_token + (layers - 1) * nha_state
+        for row in (rows[t, "original"], rows[t, "nha"]):
+            assert row["prefill_ms"] > 0 and row["decode_ms_per_token"] > 0 and row["peak_bytes"] is None
+    assert report["windows"] == [None, WINDOW, WINDOW, WINDOW] and report["device"] == "cpu"
+
+
+def cli(*args):
+    result = CliRunner().invoke(app, ["bench", *map(str, args)])
+    return result.exit_code, result.output.strip()
+
+
+def test_cli_bench_prints_a_table_and_writes_json(checkpoint, tmp_path):
+    code, output = cli(checkpoint, "--contexts", "16,40", "--decode-steps", "2", "--rounds", "1", "--json",
+                       tmp_path / "out" / "bench.json")
+    assert code == 0, output
+    assert "| 16 |" in output and "| 40 |" in output and "decode ms per token (original / NHA)" in output
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert len(report["results"]) == 4 and [p.name for p in (tmp_path / "out").iterdir()] == ["bench.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--contexts", "0"], "context lengths must be >= 1"),
+    (["--contexts", "500"], "exceeds the model's max_position_embeddings (512)"),
+    (["--decode-steps", "0"], "decode steps and rounds must be >= 1"),
+    (["--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--not-nha"], "is not an NHA checkpoint"),
+])
+def test_cli_bench_bad_input_is_one_line(checkpoint, tmp_path, args, message):
+    if args == ["--not-nha"]:
+        args, target = [], checkpoint.parent / "original"
+    else:
+        target = checkpoint
+    code, output = cli(target, *args, "--json", tmp_path / "bench.json")
+    assert code == 1 and output.startswith("error: ") and message in output and len(output.splitlines()) == 1
+    assert not any(tmp_path.iterdir())
