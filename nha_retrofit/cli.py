@@ -167,6 +167,27 @@ def bench(
 
 @app.command()
 @user_errors
+def push(
+    checkpoint: Annotated[Path, typer.Argument(help="An NHA checkpoint folder (converted or exported).")],
+    repo_id: Annotated[str, typer.Argument(help="The Hub repository, e.g. your-name/llama-3-8b-nha.")],
+    private: Annotated[bool, typer.Option(help="Create the repository private.")] = False,
+    branch: Annotated[str | None, typer.Option(help="Commit to this branch (created if needed).")] = None,
+    message: Annotated[str | None, typer.Option(help="Commit message.")] = None,
+    token: Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Check and list what would be sent; send nothing.")] = False,
+):
+    """Publish a checkpoint on the Hugging Face Hub in one commit, checked complete, with a model card."""
+    from .hub import prepare_upload, push_checkpoint
+
+    upload = prepare_upload(checkpoint, repo_id)
+    typer.echo(upload.describe())
+    if not dry_run:
+        typer.echo(push_checkpoint(upload, repo_id, private=private, branch=branch, commit_message=message,
+                                   token=token))
+
+
+@app.command()
+@user_errors
 def finetune(
     recipe: Annotated[Path, typer.Argument(help="A recipe YAML file (see recipes/).")],
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: --set train.lr=1e-4")] = None,

@@ -1,0 +1,183 @@
+"""Publishing an NHA checkpoint on the Hugging Face Hub.
+
+The folder is checked complete first (config, every safetensors shard whole, remote code, tokenizer), only the files
+a checkpoint consists of are sent, a model card is written from the conversion record unless the folder has its own
+README.md, and everything goes up in one commit through huggingface_hub (large files included), so the repository
+never shows half a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .convert.converter import CONVERSION_RECORD, MODELING_FOLDER, TOKENIZER_FILES
+from .convert.shards import SAFETENSORS_INDEX, find_checkpoint
+from .errors import NHARetrofitError
+from .eval.compare import nha_checkpoint_class
+from .plan import nha_state_bytes
+
+CARD_TAGS = ["nha", "native-hybrid-attention", "hybrid-attention", "nha-retrofit"]
+
+
+@dataclass
+class Upload:
+    """What one push sends: files copied from the folder, and files written for the Hub (path -> bytes)."""
+
+    folder: Path
+    files: list[str]
+    written: dict[str, bytes]
+    skipped: list[str]
+
+    def describe(self) -> str:
+        lines = [f"upload from {self.folder}:"]
+        lines += [f"  {name}" for name in self.files]
+        lines += [f"  {name} (written for the Hub)" for name in self.written]
+        lines += [f"  skipped: {name}" for name in self.skipped]
+        return "\n".join(lines)
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The files an NHA checkpoint consists of, after checking they are all there and whole."""
+    nha_checkpoint_class(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if "auto_map" not in config:
+        raise NHARetrofitError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code")
+    modeling = sorted(p.name for p in MODELING_FOLDER.glob("*.py") if p.name != "__init__.py")
+    missing = [name for name in modeling if not (folder / name).is_file()]
+    if missing:
+        raise NHARetrofitError(f"{folder} lacks the remote code file {missing[0]}")
+    weights = find_checkpoint(folder).files  # allow_pickle=False: only safetensors, each checked whole
+    index = [SAFETENSORS_INDEX] if (folder / SAFETENSORS_INDEX).is_file() else []
+    if not (folder / "tokenizer_config.json").is_file():
+        raise NHARetrofitError(f"{folder} has no tokenizer files: the model would not be usable from the Hub")
+    tokenizer = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return ["config.json", *index, *weights, *modeling, *tokenizer]
+
+
+def public_record(folder: Path) -> dict | None:
+    """The conversion record without this machine's paths."""
+    path = folder / CONVERSION_RECORD
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    record.pop("source_path", None)
+    return record
+
+
+def model_card(repo_id: str, config: dict, record: dict | None) -> str:
+    """A README.md for the Hub: metadata for search, what the model is, how to load it, what was measured."""
+    from huggingface_hub import ModelCardData
+
+    windows = config["nha_windows"]
+    full = [i for i, w in enumerate(windows) if w is None]
+    nha_windows = sorted({w for w in windows if w is not None})
+    slots = config["nha_num_slots"]
+    source = (record or {}).get("source", "")
+    base = source if "/" in source and not Path(source).is_absolute() else None
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=CARD_TAGS,
+                         base_model=base)
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    width = 4 if config.get("dtype") in (None, "float32") else 2
+    state = nha_state_bytes(heads, head_dim, slots, max(nha_windows, default=0), width)
+    of = f"of [{base}](https://huggingface.co/{base})" if base else f"of {source or 'a pretrained model'}"
+    lines = [
+        f"---\n{data.to_yaml()}\n---",
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"A Native Hybrid Attention (NHA, arXiv 2510.07019) hybrid {of}, made with nha-retrofit. "
+        f"{len(windows) - len(full)} of {len(windows)} layers read a {slots}-slot gated memory plus a sliding window "
+        f"of {', '.join(map(str, nha_windows)) or '-'} tokens under one softmax; layers {full or 'none'} keep full "
+        "attention. Each NHA layer adds a gate projection and a per-head slot offset to the original attention.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)',
+        'inputs = tokenizer("The capital of France is", return_tensors="pt")',
+        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))",
+        "```",
+        "",
+        f"Generation keeps an ordinary KV cache only for the full layers; each NHA layer holds a fixed {state:,} "
+        "bytes per sequence however long the context. `model.set_windows([...])` changes any layer's window at "
+        "inference time (`None` = full attention).",
+    ]
+    finetune = (record or {}).get("finetune")
+    if finetune and (finetune.get("before") or finetune.get("after")):
+        before, after = finetune.get("before", {}), finetune.get("after", {})
+        lines += ["", "## Measured during finetuning (held out)", "", "| metric | before | after |", "|---|---|---|"]
+        for key in sorted(set(before) | set(after)):
+            cells = [f"{table[key]:.4g}" if key in table else "-" for table in (before, after)]
+            lines.append(f"| {key} | {cells[0]} | {cells[1]} |")
+    elif record is not None and not finetune:
+        lines += ["", "Converted, not finetuned: the gates start from the key projections; finetune before use."]
+    return "\n".join(lines) + "\n"
+
+
+def prepare_upload(folder, repo_id: str) -> Upload:
+    """Check the folder and the repository id; decide what goes up. Touches no network."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    folder = Path(folder)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise NHARetrofitError(f"{repo_id!r} is not a Hub repository id such as your-name/model-nha") from None
+    if "/" not in repo_id:
+        raise NHARetrofitError(f"{repo_id!r}: name the owner too, e.g. your-name/{repo_id}")
+    files = checkpoint_files(folder)
+    written = {}
+    record = public_record(folder)
+    if record is not None:
+        written[CONVERSION_RECORD] = (json.dumps(record, indent=2) + "\n").encode()
+    if (folder / "README.md").is_file():
+        files.append("README.md")
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        written["README.md"] = model_card(repo_id, config, record).encode()
+    sent = set(files) | set(written)
+    skipped = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                     if p.is_file() and str(p.relative_to(folder)) not in sent)
+    return Upload(folder, files, written, skipped)
+
+
+def transport_errors() -> tuple[type, ...]:
+    """The HTTP client's connection errors (huggingface_hub 1.x uses httpx, later versions httpx2)."""
+    for name in ("httpx2", "httpx"):
+        try:
+            return (importlib.import_module(name).TransportError,)
+        except ImportError:
+            continue
+    return ()
+
+
+def push_checkpoint(upload: Upload, repo_id: str, *, private: bool = False, branch: str | None = None,
+                    commit_message: str | None = None, token: str | None = None, api=None) -> str:
+    """Create the repository if needed and send `upload` in one commit; returns the commit's URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+    api = api or HfApi(token=token)
+    try:
+        api.whoami()
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if branch is not None:
+            api.create_branch(repo_id, branch=branch, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(upload.folder / name))
+                      for name in upload.files]
+        operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data)
+                       for name, data in upload.written.items()]
+        commit = api.create_commit(repo_id, operations=operations, revision=branch,
+                                   commit_message=commit_message or f"Upload NHA checkpoint from {upload.folder.name}")
+    except LocalTokenNotFoundError:
+        raise NHARetrofitError("not logged in to the Hugging Face Hub: run `hf auth login` or set HF_TOKEN") from None
+    except HfHubHTTPError as error:
+        raise NHARetrofitError(f"the Hub refused the upload: {str(error).splitlines()[0]}") from None
+    except (OSError, *transport_errors()) as error:  # no network, offline mode (HF_HUB_OFFLINE=1)
+        raise NHARetrofitError(f"the Hub could not be reached: {str(error).splitlines()[0]}") from None
+    return commit.commit_url
