@@ -36,8 +36,23 @@ def parse_ints(text: str, expected: str) -> list[int]:
         raise typer.BadParameter(f"{text!r}: expected comma-separated {expected}") from None
 
 
+def parse_names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def parse_layer_ids(text: str | None) -> list[int] | None:
     return None if text is None else parse_ints(text, "layer numbers such as 3,11,19,27")
+
+
+def write_json(path: Path | None, report: dict) -> None:
+    """`--json FILE`: the command's measurements, written atomically (nothing when no path was given)."""
+    import json
+
+    from .atomic import atomic_file
+
+    if path is not None:
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
 
 
 ModelArgument = Annotated[str, typer.Argument(help="Local folder, Hub id in the local HF cache, or 'smollm2-135m'.")]
@@ -126,7 +141,7 @@ def evaluate(
     from .eval.compare import compare_perplexity, generate_text
 
     results = compare_perplexity(
-        checkpoint, [t.strip() for t in texts.split(",") if t.strip()], max_tokens=max_tokens, chunk_len=chunk_len
+        checkpoint, parse_names(texts), max_tokens=max_tokens, chunk_len=chunk_len
     )
     variants = list(next(iter(results.values())))
     typer.echo("\n| text | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
@@ -150,9 +165,6 @@ def bench(
     json_output: Annotated[Path | None, typer.Option("--json", help="Also write the measurements to this file.")] = None,
 ):
     """Prefill ms, decode ms per token and cache size: the checkpoint against its original (same weights), batch 1."""
-    import json
-
-    from .atomic import atomic_file
     from .eval.speed import benchmark_checkpoint, format_table
 
     report = benchmark_checkpoint(
@@ -160,9 +172,35 @@ def bench(
         rounds=rounds, device=device, dtype=dtype, progress=True,
     )
     typer.echo(format_table(report))
-    if json_output is not None:
-        with atomic_file(json_output) as tmp:
-            tmp.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(json_output, report)
+
+
+@app.command()
+@user_errors
+def search(
+    model: ModelArgument,
+    full_layers: FullLayersOption = 4,
+    window: WindowOption = 64,
+    slots: SlotsOption = 64,
+    gate_normalizer: GateNormalizerOption = 8.0,
+    slot_bias_init: SlotBiasOption = -4.0,
+    texts: Annotated[str, typer.Option(help="Comma-separated held-out texts to rank the layers on.")] = "python-stdlib",
+    check_texts: Annotated[str, typer.Option(help="Other held-out texts to score the plans on.")] = "python-docs",
+    max_tokens: Annotated[int, typer.Option(help="Tokens of each text.")] = 2048,
+    chunk_len: Annotated[int, typer.Option(help="Tokens per independent chunk (longer than the window).")] = 512,
+    device: Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")] = "auto",
+    json_output: Annotated[Path | None, typer.Option("--json", help="Also write the scores to this file.")] = None,
+):
+    """Choose the layers that keep full attention: each layer's KL divergence from the original when it alone is NHA."""
+    from .eval.layer_search import format_search, search_full_layers
+
+    report = search_full_layers(
+        model, full_layers=full_layers, window=window, slots=slots, gate_normalizer=gate_normalizer,
+        slot_bias_init=slot_bias_init, texts=parse_names(texts), check_texts=parse_names(check_texts),
+        max_tokens=max_tokens, chunk_len=chunk_len, device=device, progress=True,
+    )
+    typer.echo(format_search(report))
+    write_json(json_output, report)
 
 
 @app.command()
