@@ -64,6 +64,8 @@ WindowOption = Annotated[int, typer.Option(help="Sliding window of the NHA layer
 SlotsOption = Annotated[int, typer.Option(help="Slots of the NHA memory per KV head.")]
 GateNormalizerOption = Annotated[float, typer.Option(help="tau in log(alpha) = logsigmoid(g) / tau.")]
 SlotBiasOption = Annotated[float, typer.Option(help="Initial per-head slot-logit offset (0 = the paper).")]
+DeviceOption = Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results to this file.")]
 
 
 def plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init):
@@ -158,11 +160,11 @@ def bench(
     contexts: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "512,2048",
     decode_steps: Annotated[int, typer.Option(help="Greedy one-token steps timed after each prefill.")] = 16,
     rounds: Annotated[int, typer.Option(help="Alternating rounds, original then NHA; medians are reported.")] = 3,
-    device: Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")] = "auto",
+    device: DeviceOption = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = (
         "auto"
     ),
-    json_output: Annotated[Path | None, typer.Option("--json", help="Also write the measurements to this file.")] = None,
+    json_output: JsonOption = None,
 ):
     """Prefill ms, decode ms per token and cache size: the checkpoint against its original (same weights), batch 1."""
     from .eval.speed import benchmark_checkpoint, format_table
@@ -188,8 +190,8 @@ def search(
     check_texts: Annotated[str, typer.Option(help="Other held-out texts to score the plans on.")] = "python-docs",
     max_tokens: Annotated[int, typer.Option(help="Tokens of each text.")] = 2048,
     chunk_len: Annotated[int, typer.Option(help="Tokens per independent chunk (longer than the window).")] = 512,
-    device: Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")] = "auto",
-    json_output: Annotated[Path | None, typer.Option("--json", help="Also write the scores to this file.")] = None,
+    device: DeviceOption = "auto",
+    json_output: JsonOption = None,
 ):
     """Choose the layers that keep full attention: each layer's KL divergence from the original when it alone is NHA."""
     from .eval.layer_search import format_search, search_full_layers

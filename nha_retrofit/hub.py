@@ -17,7 +17,7 @@ from .convert.converter import CONVERSION_RECORD, MODELING_FOLDER, TOKENIZER_FIL
 from .convert.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
 from .eval.compare import nha_checkpoint_class
-from .plan import nha_state_bytes
+from .plan import cache_dims, nha_state_bytes
 
 CARD_TAGS = ["nha", "native-hybrid-attention", "hybrid-attention", "nha-retrofit"]
 
@@ -79,10 +79,8 @@ def model_card(repo_id: str, config: dict, record: dict | None) -> str:
     base = source if "/" in source and not Path(source).is_absolute() else None
     data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=CARD_TAGS,
                          base_model=base)
-    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    width = 4 if config.get("dtype") in (None, "float32") else 2
-    state = nha_state_bytes(heads, head_dim, slots, max(nha_windows, default=0), width)
+    kv_heads, head_dim, width = cache_dims(config)
+    state = nha_state_bytes(kv_heads, head_dim, slots, max(nha_windows, default=0), width)
     of = f"of [{base}](https://huggingface.co/{base})" if base else f"of {source or 'a pretrained model'}"
     lines = [
         f"---\n{data.to_yaml()}\n---",

@@ -123,6 +123,14 @@ def build_plan(
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def cache_dims(config: dict) -> tuple[int, int, int]:
+    """(kv heads, head dim, bytes per cached key or value element) of a model's config.json."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return kv_heads, head_dim, DTYPE_BYTES.get(config.get("dtype") or config.get("torch_dtype") or "float32", 4)
+
+
 def nha_state_bytes(kv_heads: int, head_dim: int, slots: int, window: int, width: int) -> int:
     """Bytes of one sequence's NHA layer state once `window` tokens were seen (the fields of `NHAState`): float32
     slot keys and values; per window token pre- and post-RoPE keys and values (`width` bytes each), float32 gates
@@ -138,9 +146,7 @@ def describe_for_model(model: str, **plan_args) -> str:
     config = read_source_config_dict(resolve_model(model))
     plan = build_plan(config["num_hidden_layers"], **plan_args)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    width = DTYPE_BYTES.get(config.get("dtype") or config.get("torch_dtype") or "float32", 4)
+    kv_heads, head_dim, width = cache_dims(config)
     kv_per_token = 2 * kv_heads * head_dim * width
     lines = [plan.describe(), "", "| layer | window | slots | new parameters | cache |", "|---|---|---|---|---|"]
     new_params = fixed_bytes = 0

@@ -11,6 +11,8 @@ were ranked on, so the comparison is not flattered by the choice.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
@@ -68,7 +70,7 @@ class Scorer:
         return self.kl[name] / self.tokens
 
     def perplexity(self, name, predicted_tokens) -> float:
-        return float(torch.tensor(self.nll[name] / predicted_tokens).exp())
+        return math.exp(self.nll[name] / predicted_tokens)
 
 
 @torch.no_grad()

@@ -141,8 +141,9 @@ def benchmark_checkpoint(folder, contexts=(512, 2048), *, decode_steps: int = 16
     from tqdm.auto import tqdm
 
     with tqdm(total=len(samples) * rounds, desc="bench", unit="run", disable=not progress) as bar:
+        longest_ids = context_tokens(Path(folder), max(contexts), model.config.vocab_size, target)
         for length in contexts:
-            ids = context_tokens(Path(folder), length, model.config.vocab_size, target)
+            ids = longest_ids[:, :length]
             for name, candidate in models.items():  # warm-up: first-call allocations and kernel compiles
                 measure_once(candidate, ids[:, : min(length, 64)], 1, clock)
             for _ in range(rounds):
