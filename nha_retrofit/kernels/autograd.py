@@ -132,55 +132,71 @@ def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_m
     return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training)
 
 
+def _stream(q, k, v, q_rope, k_rope, log_alpha, mask, state):
+    """The inputs of a prefill after `state`: its window tokens (oldest first) prepended as keys without queries
+    (zero queries, cut from the output); the mask [B, prefix + T] bool, ones where `mask` is None."""
+    state = state.chronological()  # a decoded state keeps its window as a ring
+    batch, new_len, prefix = q.shape[0], q.shape[1], state.window_length
+    if mask is None:
+        mask = torch.ones(batch, new_len, dtype=torch.bool, device=q.device)
+    cat = lambda old, new: torch.cat([old.to(new.dtype), new], 1)  # noqa: E731
+    zq = lambda x: torch.cat([x.new_zeros(batch, prefix, *x.shape[2:]), x], 1)  # noqa: E731
+    return (zq(q), cat(state.window_keys, k), cat(state.window_values, v), zq(q_rope),
+            cat(state.window_keys_rope, k_rope), cat(state.window_log_alpha.float(), log_alpha.float()),
+            cat(state.window_mask, mask))
+
+
 @torch.no_grad()
 def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias,
                         initial_state, output_final_state):
-    batch, new_len, q_heads, head_dim = q.shape
-    kv_heads, slots = k.shape[2], log_alpha.shape[-1]
-    if initial_state is None:
-        initial_state = NHAState.empty(batch, kv_heads, slots, head_dim, v.shape[-1], k.dtype, k.device)
-    else:  # a decoded state keeps its window as a ring; prefill reads it oldest first
-        initial_state = initial_state.chronological()
-    prefix = initial_state.window_length
-    mask = (torch.ones(batch, new_len, dtype=torch.bool, device=q.device) if attention_mask is None
-            else attention_mask[:, -new_len:].bool())
-    cat = lambda old, new: torch.cat([old.to(new.dtype), new], 1)  # noqa: E731
-    sk_, skr, sv_ = cat(initial_state.window_keys, k), cat(initial_state.window_keys_rope, k_rope), cat(
-        initial_state.window_values, v)
-    sla = torch.cat([initial_state.window_log_alpha.to(torch.float32), log_alpha.to(torch.float32)], 1)
-    smask = torch.cat([initial_state.window_mask.bool(), mask], 1)
-    zq = lambda x: torch.cat([x.new_zeros(batch, prefix, *x.shape[2:]), x], 1)  # noqa: E731
+    batch, new_len = q.shape[:2]
+    mask = None if attention_mask is None else attention_mask[:, -new_len:].bool()
+    state_dtype = gate_dtype = torch.promote_types(k.dtype, torch.float32)  # as `NHAState.empty`
+    if initial_state is None:  # a first prefill: nothing to prepend and nothing carried (no device sync to learn
+        # it), the mask as given (None: the kernels' maskless form)
+        prefix, filled0, carried = 0, None, False
+        stream = (q, k, v, q_rope, k_rope, log_alpha.float(), mask)
+    else:
+        prefix, filled0 = initial_state.window_length, initial_state.slots_filled
+        carried = bool(filled0.any())
+        stream = _stream(q, k, v, q_rope, k_rope, log_alpha, mask, initial_state)
+        state_dtype, gate_dtype = initial_state.slot_keys.dtype, initial_state.window_log_alpha.dtype
+    sq, sk_, sv_, sqr, skr, sla, smask = stream
     total = prefix + new_len
     win = total if window is None else window
-    prep = chunk_fwd.Prepared(zq(q), sk_, sv_, zq(q_rope), skr, sla, win, smask, slot_bias)
-    filled0 = initial_state.slots_filled
-    has_slots = _has_slots(prep, bool(filled0.any()))
-    carried = bool(filled0.any())
+    prep = chunk_fwd.Prepared(sq, sk_, sv_, sqr, skr, sla, win, smask, slot_bias)
     o, _, states, _ = chunk_fwd.forward(
-        prep, scale, has_slots,
+        prep, scale, _has_slots(prep, carried),
         initial_keys=initial_state.slot_keys if carried else None,
         initial_values=initial_state.slot_values if carried else None,
-        filled0=filled0.to(torch.int32),
+        filled0=None if filled0 is None else filled0.to(torch.int32),
     )
     o = o[:, prefix:]
     if not output_final_state:
         return o, None
     if states is not None:
         final_keys, final_values = states[0][:, :, -1], states[1][:, :, -1]
-    else:
-        final_keys, final_values = initial_state.slot_keys.float(), initial_state.slot_values.float()
+    elif initial_state is not None:
+        final_keys, final_values = initial_state.slot_keys, initial_state.slot_values
+    else:  # nothing absorbed yet
+        final_keys = torch.zeros(batch, prep.H, prep.M, prep.D, dtype=state_dtype, device=q.device)
+        final_values = torch.zeros(batch, prep.H, prep.M, prep.DV, dtype=state_dtype, device=q.device)
     keep = total - min(win, total)
-    absorbed_real = smask[:, :keep].any(1) if keep > 0 else torch.zeros_like(filled0)
-    state_dtype = initial_state.slot_keys.dtype
+    if smask is None:  # every token real
+        absorbed_real = torch.full((batch,), keep > 0, dtype=torch.bool, device=q.device)
+        window_mask = torch.ones(batch, total - keep, dtype=torch.bool, device=q.device)
+    else:
+        absorbed_real = smask[:, :keep].any(1)
+        window_mask = smask[:, keep:].contiguous()
     final = NHAState(
         slot_keys=final_keys.to(state_dtype).contiguous(),
         slot_values=final_values.to(state_dtype).contiguous(),
-        slots_filled=filled0 | absorbed_real,
+        slots_filled=absorbed_real if filled0 is None else filled0 | absorbed_real,
         window_keys=sk_[:, keep:].contiguous(),
         window_keys_rope=skr[:, keep:].contiguous(),
         window_values=sv_[:, keep:].contiguous(),
-        window_log_alpha=sla[:, keep:].to(initial_state.window_log_alpha.dtype).contiguous(),
-        window_mask=smask[:, keep:].contiguous(),
+        window_log_alpha=sla[:, keep:].to(gate_dtype).contiguous(),
+        window_mask=window_mask,
     )
     return o, final
 

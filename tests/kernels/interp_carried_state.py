@@ -1,9 +1,11 @@
-"""Prefill with a carried state (`nha_chunked_triton(..., initial_state=...)`) under the Triton CPU interpreter and
-its out-of-bounds checker, against the PyTorch `nha_chunked` on the same state: output and final slot states, with
-the key and the value states in one set of launches and in separate ones (`CONFIG["merge_kv_states"]`).
+"""Prefill that returns its state under the Triton CPU interpreter and its out-of-bounds checker, against the PyTorch
+`nha_chunked`: a first prefill (no state carried; without a mask, the kernels' maskless form, and with left padding)
+compared on its output and every field of its final state; then a prefill with a carried state
+(`nha_chunked_triton(..., initial_state=...)`) on its output and final slot states; with the key and the value
+states in one set of launches and in separate ones (`CONFIG["merge_kv_states"]`).
 
-Fresh random fp32 inputs; the state comes from a PyTorch prefill of the first part; windows shorter than and as
-long as the chunk; outputs NaN-poisoned.
+Fresh random fp32 inputs; the carried state comes from a PyTorch prefill of the first part; first parts longer and
+shorter than the window; windows shorter than and as long as the chunk; outputs NaN-poisoned.
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_carried_state.py   (prints OK and exits 0)
 """
@@ -19,9 +21,22 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from interp_bounds import bounds_checked  # noqa: E402
 from interp_support import rel  # noqa: E402
-from nha_oracle import make_inputs  # noqa: E402
+from nha_oracle import make_inputs, padding_mask  # noqa: E402
 
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
+
+
+def state_errors(got, want):
+    """Relative error of every tensor of the NHAState `got` against `want` (masks and ring starts: 0 or inf)."""
+    from dataclasses import fields
+
+    errors = {}
+    for field in fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        assert a.shape == b.shape and a.dtype == b.dtype, (field.name, a.shape, b.shape, a.dtype, b.dtype)
+        exact = not a.is_floating_point()
+        errors[field.name] = (0.0 if torch.equal(a, b) else float("inf")) if exact else rel(a, b)
+    return errors
 
 
 def main():
@@ -34,11 +49,20 @@ def main():
     chunk_fwd.POISON = True
     for merge in (True, False):
         config.CONFIG["merge_kv_states"] = merge
-        for first, second, window in ((77, 90, 20), (130, 41, 64)):
+        for first, second, window in ((77, 90, 20), (130, 41, 64), (12, 70, 20)):  # (12: nothing absorbed yet)
             x = make_inputs(2, first + second, 4, 2, 64, 32, dtype=torch.float32, seed=seed)
             head = [x[n][:, :first] for n in NAMES]
             tail = [x[n][:, first:] for n in NAMES]
-            _, state = nha_chunked(*head, window, x["scale"], None, x["slot_bias"], output_final_state=True)
+            for mask in (None, padding_mask(2, first, "left", seed=seed % 16)):
+                want, state = nha_chunked(*head, window, x["scale"], mask, x["slot_bias"], output_final_state=True)
+                with bounds_checked():
+                    got, got_state = nha_chunked_triton(*head, window, x["scale"], mask, x["slot_bias"],
+                                                        output_final_state=True)
+                errors = {"o": rel(got, want), **state_errors(got_state, state)}
+                print(f"merge_kv_states={merge} (first prefill of {first}, w={window}, "
+                      f"{'no mask' if mask is None else 'left padding'}):",
+                      " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+                assert max(errors.values()) <= 1e-5, errors
             want, want_state = nha_chunked(*tail, window, x["scale"], None, x["slot_bias"], initial_state=state,
                                            output_final_state=True)
             with bounds_checked():
