@@ -52,10 +52,12 @@ CONFIG = {
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
     # (at most D; None: (64, as the others)); each program recomputes its row blocks' [rows, CS] weights, so wider
     # is less of that: 128 columns were 1.2 ms faster than 64 per 32K step on the H200 (NOTES.md session 7)
-    "slot_bwd_maxnreg": {"state_grad": 168},  # per slot-backward kernel ("rows", "state_grad", "keys"): a register
-    # cap per thread (Triton's maxnreg), so more programs share a multiprocessor (each spills more; absent: uncapped).
-    # On the H200 at 32K: state_grad capped at 168 (3 programs of 4 warps per multiprocessor instead of 2) 8.71 against
-    # 8.78 ms; 128 9.03; the rows kernel at 168 or 128 9.50, the merged key kernel at 128 9.43 (NOTES.md session 17)
+    "slot_bwd_maxnreg": {},  # per slot-backward kernel ("rows", "state_grad", "keys"): a register cap per thread
+    # (Triton's maxnreg), so more programs share a multiprocessor (each spills more; absent: uncapped). On the H200
+    # at 32K state_grad capped at 168 (3 programs of 4 warps per multiprocessor instead of 2) was 8.71 against 8.78 ms
+    # in session 17; since session 20's kernels uncapped is 0.07 ms faster per step (7.08 against 7.15, three
+    # alternations; 8K 1.88 against 1.90; NOTES.md session 25); the rows kernel at 168 or 128 9.50, the merged key
+    # kernel at 128 9.43 (session 17)
     "slot_bwd_merge_keys": True,  # dk and dv in one key kernel (False: one launch each, fewer registers)
     "slot_bwd_keys_merged_warps": 8,  # warps of `_keys_merged_kernel`, which does the keys and keys_da kernels'
     # work in one program per chunk (each row block's weights and rows loaded once for dk, dv and UV): 0.15 ms less
@@ -182,7 +184,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_da_rows_block": dict(keys_da_rows_block=True),
     "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
     "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
-    "slot_bwd_uncapped": dict(slot_bwd_maxnreg={}),  # every slot-backward kernel at the compiler's registers
+    "state_grad_cap168": dict(slot_bwd_maxnreg={"state_grad": 168}),  # the default before session 25
     "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
     "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23

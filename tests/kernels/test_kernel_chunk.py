@@ -422,7 +422,7 @@ VARIANTS = {name: config.variant_overrides(name) for name in (  # the defaults a
     "fwd_block16", "window_bwd_block32", "window_dq_block32", "slot_bwd_rows32", "slot_bwd_rows8",
     "slot_bwd_rows32_4warps", "slot_bwd_keys_block8", "slot_bwd_columns128_8warps", "separate_kv_states",
     "slot_bwd_columns64", "keys_da_8warps", "slot_bwd_stages1", "keys_da_rows_block", "keys_separate",
-    "keys_merged_4warps", "scan_segment_32", "slot_bwd_uncapped", "delta_pass", "window_keys64", "window_dkv_keys16",
+    "keys_merged_4warps", "scan_segment_32", "state_grad_cap168", "delta_pass", "window_keys64", "window_dkv_keys16",
     "overlap_dkv", "dv_sum_apart", "overlap_dkv+dv_sum_apart")}
 
 
