@@ -209,12 +209,15 @@ def parts(T=32768, w=64):
     p = prepare(w)  # the forward stages as inference runs them (`chunk_fwd.inference_chunk`)
     out = {}
     out["prepare"] = bench(lambda: prepare(w))
-    out["kv_states"] = bench(lambda: chunk_fwd.kv_states(p))
+    segment = config.CONFIG["state_segment"]  # the inference forward's states: segment-local, or scanned whole
+    states_of = (lambda q: chunk_fwd.local_kv_states(q, segment)) if segment else chunk_fwd.kv_states
+    out["kv_states"] = bench(lambda: states_of(p))
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
     out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
     for window, q in ((w, p), (0, prepare(0))):  # the fused kernel alone: its states computed once, outside
-        states = chunk_fwd.kv_states(q)
-        with mock.patch.object(chunk_fwd, "kv_states", lambda *args, **kwargs: states):
+        states = states_of(q)
+        with mock.patch.object(chunk_fwd, "local_kv_states" if segment else "kv_states",
+                               lambda *args, **kwargs: states):
             out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
     p = prepare(w, True)  # the backward stages as training runs them (CONFIG["train_chunk"])
     exact = chunk_fwd.keeps_exact_output(x["q"].dtype)

@@ -115,29 +115,22 @@ def _real(MASK, b, T, j, valid):
 
 
 @triton.jit
-def _chunk_update_kernel(
-    X, X2, G, MASK, U, DEC,
-    sx_b, sg_b, T, W, NCH,
-    H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, ZERO_FIRST: tl.constexpr,
-):
-    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last), and
-    with ZERO_FIRST the zero state before chunk 0 in U[0].
-    Program axis 2 runs over the column blocks of X, then (if it is twice as long) of X2, an input of the same
-    layout whose states follow X's in U (the key and the value states in one launch)."""
-    sx_t, sx_h, sg_t, sg_h = H * DX, DX, H * M, M  # contiguous layouts (as `_token_strides`)
-    c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+def _update_columns(DX: tl.constexpr, BD: tl.constexpr):
+    """An update program's stream (0: X, 1: X2: program axis 2 runs over X's column blocks, then X2's), batch, kv
+    head, state columns offs_d and their mask (axis 1: batch x kv head)."""
     NDB: tl.constexpr = (DX + BD - 1) // BD
-    stream = tl.program_id(2) // NDB
-    pid_d = tl.program_id(2) % NDB
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_d = pid_d * BD + tl.arange(0, BD)
+    offs_d = (tl.program_id(2) % NDB) * BD + tl.arange(0, BD)
+    return tl.program_id(2) // NDB, offs_d, offs_d < DX
+
+
+@triton.jit
+def _chunk_own_update(X, X2, G, MASK, stream, b, h, offs_d, dmask, c, sx_b, sg_b, T, W,
+                      H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr):
+    """Stream chunk c's own update of the state columns offs_d, sum_j s_j exp(a_last - a_j) (x) x_j [M, BD] (x from
+    X, or X2 for stream 1), and its decay exp(a_last) [M]. A chunk past the stream is empty: zero, and decay 1."""
+    sx_t, sx_h, sg_t, sg_h = H * DX, DX, H * M, M  # contiguous layouts (as `_token_strides`)
     offs_m = tl.arange(0, M)
-    offs_j = tl.arange(0, CSZ)
-    dmask = offs_d < DX
-    j = c * CSZ - W + offs_j
+    j = c * CSZ - W + tl.arange(0, CSZ)
     jv = (j >= 0) & (j < T - W)
     jr = _real(MASK, b, T, j, jv)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
@@ -151,15 +144,74 @@ def _chunk_update_kernel(
         x = tl.load(X + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     else:
         x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    upd = dot_xb(tl.trans(wgt), x, PREC)  # x: upcast inputs, exact in the split format
+    return dot_xb(tl.trans(wgt), x, PREC), tl.exp(a_last)  # x: upcast inputs, exact in the split format
+
+
+@triton.jit
+def _chunk_update_kernel(
+    X, X2, G, MASK, U, DEC,
+    sx_b, sg_b, T, W, NCH,
+    H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, ZERO_FIRST: tl.constexpr,
+):
+    """Per stream chunk c (in parallel): U[c+1] = sum_j s_j exp(a_last - a_j) (x) x_j, DEC[c] = exp(a_last), and
+    with ZERO_FIRST the zero state before chunk 0 in U[0].
+    Program axis 2 runs over the column blocks of X, then (if it is twice as long) of X2, an input of the same
+    layout whose states follow X's in U (the key and the value states in one launch)."""
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    stream, offs_d, dmask = _update_columns(DX, BD)
+    upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, offs_d, dmask, c, sx_b, sg_b, T,
+                                 W, H, M, DX, CSZ, PREC)
     base = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * (NCH + 1) + c + 1
-    tile = offs_m[:, None] * DX + offs_d[None, :]
+    tile = tl.arange(0, M)[:, None] * DX + offs_d[None, :]
     tl.store(U + base * M * DX + tile, upd, mask=dmask[None, :])
     if ZERO_FIRST:
         if c == 0:
             tl.store(U + (base - 1) * M * DX + tile, tl.zeros([M, BD], dtype=tl.float32), mask=dmask[None, :])
     if tl.program_id(2) == 0:
-        tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, tl.exp(a_last))
+        tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + tl.arange(0, M), dec)
+
+
+@triton.jit
+def _segment_update_kernel(
+    X, X2, G, MASK, LOCAL, DCUM, ENDS, DSEG,
+    sx_b, sg_b, T, W, NCH, NSEG,
+    H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
+    PREC: tl.constexpr, K: tl.constexpr, ZERO_FIRST: tl.constexpr,
+):
+    """Per segment of K stream chunks (program axis 0; axes 1 and 2 as `_chunk_update_kernel`'s), its chunks in
+    order: LOCAL[c] = the segment-local state before chunk c (from zero at the segment's start: every chunk's own
+    update, decayed, summed in registers), DCUM[c] = the decay from the segment's start to chunk c; the local state
+    after its last chunk in ENDS[segment + 1] and its whole decay in DSEG[segment] (with ZERO_FIRST a zero ENDS[0]).
+    The state before chunk c is then LOCAL[c] + DCUM[c] * (the state before its segment), which a scan over the
+    segments' ENDS gives (`local_slot_states`): the states cross DRAM once, where the chunk update and the chained
+    scan move them three times."""
+    seg = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    stream, offs_d, dmask = _update_columns(DX, BD)
+    row = (stream * tl.num_programs(1) + pid_bh).to(tl.int64)
+    offs_m = tl.arange(0, M)
+    tile = offs_m[:, None] * DX + offs_d[None, :]
+    state = tl.zeros([M, BD], dtype=tl.float32)
+    dcum = tl.full([M], 1.0, dtype=tl.float32)
+    for i in range(K):
+        c = seg * K + i
+        inside = (c + 0 * offs_m) < NCH  # (a vector mask: the interpreter lacks scalar ones)
+        tl.store(LOCAL + (row * (NCH + 1) + c) * M * DX + tile, state, mask=inside[:, None] & dmask[None, :])
+        if tl.program_id(2) == 0:
+            tl.store(DCUM + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, dcum, mask=inside)
+        upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, offs_d, dmask, c, sx_b, sg_b,
+                                     T, W, H, M, DX, CSZ, PREC)
+        state = dec[:, None] * state + upd
+        dcum = dcum * dec
+    ends = row * (NSEG + 1) + seg
+    tl.store(ENDS + (ends + 1) * M * DX + tile, state, mask=dmask[None, :])
+    if ZERO_FIRST:
+        if seg == 0:
+            tl.store(ENDS + ends * M * DX + tile, tl.zeros([M, BD], dtype=tl.float32), mask=dmask[None, :])
+    if tl.program_id(2) == 0:
+        tl.store(DSEG + (pid_bh.to(tl.int64) * NSEG + seg) * M + offs_m, dcum)
 
 
 @triton.jit
@@ -325,29 +377,42 @@ def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen
 
 
 @triton.jit
-def _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr, M: tl.constexpr,
-                    MT: tl.constexpr, BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr,
+def _state_tile(S, st, CARRY, ct, dcum, offs_m, cols, M: tl.constexpr, DX: tl.constexpr):
+    """Columns `cols` of the slot state before a chunk, [MT, len(cols)] (rows offs_m, zero past slot M): row st of S,
+    or in the segment-local form (CARRY not None: `local_slot_states`) S's local state there plus the carry into
+    the chunk's segment, row ct of CARRY, times the decay since the segment's start, dcum [MT]."""
+    slots = (offs_m < M)[:, None]
+    tile = tl.load(S + st * M * DX + offs_m[:, None] * DX + cols[None, :], mask=slots, other=0.0)
+    if CARRY is not None:
+        tile += dcum[:, None] * tl.load(CARRY + ct * M * DX + offs_m[:, None] * DX + cols[None, :], mask=slots,
+                                        other=0.0)
+    return tile
+
+
+@triton.jit
+def _chunk_products(X, xrow, Y, yrow, S, st, CARRY, ct, dcum, tv, jr, offs_c, DX: tl.constexpr, BD: tl.constexpr,
+                    M: tl.constexpr, MT: tl.constexpr, BR: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr,
                     SPREC: tl.constexpr):
-    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state S ([M, DX]
-    per chunk) before the chunk, over column passes: ([rows, CS], [rows, MT]) fp32, zero past slot M."""
+    """The block rows of X (q or dO) against the chunk's tokens of Y (k or v) and against the state before the chunk
+    (`_state_tile` of S, CARRY), over column passes: ([rows, CS], [rows, MT]) fp32, zero past slot M."""
     offs_m = tl.arange(0, MT)
     xy = tl.zeros([BR, CSZ], dtype=tl.float32)
     xs = tl.zeros([BR, MT], dtype=tl.float32)
     for d0 in range(0, DX, BD):
         xd = tl.load(X + xrow[:, None] + d0 + offs_c[None, :], mask=tv[:, None], other=0.0)
         yd = tl.load(Y + yrow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
-        sd = tl.load(S + st * M * DX + offs_m[:, None] * DX + d0 + offs_c[None, :], mask=(offs_m < M)[:, None],
-                     other=0.0)
+        sd = _state_tile(S, st, CARRY, ct, dcum, offs_m, d0 + offs_c, M, DX)
         xy += tl.dot(xd, tl.trans(yd), input_precision=PREC)
         xs += dot_xa(xd.to(tl.float32), tl.trans(sd), SPREC)
     return xy, xs
 
 
 @triton.jit
-def _read_values(acc, pc, wm, SVP, VP, jr, slots, cols, PREC: tl.constexpr, VPREC: tl.constexpr,
-                 SPLIT: tl.constexpr):
-    """acc[:, cols] + pc . Sv[:, cols] (carried state, rows `slots` real) + wm . v[:, cols] (the chunk's tokens)."""
-    acc += dot_f32(pc, tl.load(SVP + cols[None, :], mask=slots[:, None], other=0.0), VPREC)
+def _read_values(acc, pc, wm, SV, st, CARRY, ct, dcum, VP, jr, cols, M: tl.constexpr, MT: tl.constexpr,
+                 DV: tl.constexpr, PREC: tl.constexpr, VPREC: tl.constexpr, SPLIT: tl.constexpr):
+    """acc[:, cols] + pc . Sv[:, cols] (the value state before the chunk, `_state_tile`) + wm . v[:, cols] (the
+    chunk's tokens)."""
+    acc += dot_f32(pc, _state_tile(SV, st, CARRY, ct, dcum, tl.arange(0, MT), cols, M, DV), VPREC)
     vj = tl.load(VP + cols[None, :], mask=jr[:, None], other=0.0)
     return acc + _weights_values(wm, vj, PREC, SPLIT)
 
@@ -412,20 +477,21 @@ def _store_rounded(O, ORES, o_off, cols, out, tv):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, O, ORES, LSE, LOGITS,
+    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, CK, CV, DCUM, O, ORES, LSE, LOGITS,
     sq_b, sk_b, sv_b, sg_b, so_b,
-    T, W, NCH, scale,
+    T, W, NCH, NSEG, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
-    STORE_LOGITS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr,
 ):
     """o and the joint log-sum-exp of a block of query rows (module docstring); with STORE_LOGITS also the scaled
     slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads instead
     of forming them again. With ORES (a training forward in bf16/fp16) the weights' products with the input values
     are split (`_weights_values`) and ORES gets o's rounding residual: o + ORES is the fp32 output, from which the
-    backward takes delta = rowsum(dO * O)."""
+    backward takes delta = rowsum(dO * O). With CK (CV, DCUM, NSEG, KSEG) the states SK, SV are segment-local
+    (`local_slot_states`): CK and CV hold the states before each segment of KSEG chunks."""
     SPLIT: tl.constexpr = ORES is not None
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
@@ -472,6 +538,10 @@ def _fwd_kernel(
         g = g.to(tl.float32)
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
+        ct = pid_bh.to(tl.int64) * (NSEG + 1) + c // KSEG
+        dcum = tl.zeros([MT], dtype=tl.float32)
+        if CK is not None:
+            dcum = tl.load(DCUM + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, mask=slots, other=0.0)
         krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
         # row decays by a cumsum over the rows, D in column passes of BDS (fewer live registers); factored
         # weights for the tokens before the block and, unless it decays too hard, inside it (`_block_split`);
@@ -482,8 +552,8 @@ def _fwd_kernel(
         e_in = tl.exp(a_in)  # <= 1 for rows of this block
         e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
         # the same products as the slot backward's rows kernel, so its recomputed logits match this L
-        qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, tv, jr, tl.arange(0, BDS), D, BDS, M, MT, BR,
-                                    CSZ, PREC, SPREC)
+        qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, CK, ct, dcum, tv, jr, tl.arange(0, BDS), D, BDS, M,
+                                    MT, BR, CSZ, PREC, SPREC)
         qk = tl.where(causal, qk, 0.0)
         x_in = dot_f32(qk, kw, SPREC) * e_in
         if direct:
@@ -517,16 +587,16 @@ def _fwd_kernel(
                 e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum,
                                                    a_in, tok >= jj, M, MT)
                 wm = tl.where(offs_u[None, :] == off + jj, tl.sum(p * e_j * s_j[None, :], 1)[:, None], wm)
-        svp = SV + st * M * DV + offs_m[:, None] * DV
         vp = V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h
         if DV == 2 * BDS:  # the value read in two column halves of acc
             halves = _column_halves(acc, BR, BDS)
             cols = tl.arange(0, BDS)
-            acc0 = _read_values(halves[0], pc, wm, svp, vp, jr, slots, cols, PREC, VPREC, SPLIT)
-            acc1 = _read_values(halves[1], pc, wm, svp, vp, jr, slots, BDS + cols, PREC, VPREC, SPLIT)
+            acc0 = _read_values(halves[0], pc, wm, SV, st, CV, ct, dcum, vp, jr, cols, M, MT, DV, PREC, VPREC, SPLIT)
+            acc1 = _read_values(halves[1], pc, wm, SV, st, CV, ct, dcum, vp, jr, BDS + cols, M, MT, DV, PREC, VPREC,
+                                SPLIT)
             acc = tl.reshape(tl.permute(tl.join(acc0, acc1), [0, 2, 1]), [BR, DV])
         else:
-            acc = _read_values(acc, pc, wm, svp, vp, jr, slots, offs_dv, PREC, VPREC, SPLIT)
+            acc = _read_values(acc, pc, wm, SV, st, CV, ct, dcum, vp, jr, offs_dv, M, MT, DV, PREC, VPREC, SPLIT)
 
     if HAS_WINDOW:
         if SLOTS_FIRST:  # the window after the slot part: its tiles are not live while the slot part runs
@@ -678,20 +748,61 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, *
     return (out, dec) if return_decay else out
 
 
-def kv_states(p, initial_keys=None, initial_values=None):
-    """(Sk, Sv, dec): the key and value slot states of `slot_states` ([B, H, nch + 1, M, D] and [..., DV]) and the
-    chunk decays; one set of launches for both when k and v share a layout (CONFIG["merge_kv_states"])."""
+def local_slot_states(xs, log_alpha, mask, W, nch, initial=None, *, chunk, segment):
+    """The slot states of `slot_states` in the segment-local form (`_segment_update_kernel`): (local [S, B, H, nch + 1,
+    M, DX], carries [S, B, H, nseg + 1, M, DX], dcum [B, H, nch, M]), nseg = nch / segment rounded up: the state
+    before chunk c is local[c] + dcum[c] * carries[c // segment], and carries[nseg] is the final state. The carries
+    are a chained scan over the segments (`chunk_scan.py`), 1 / segment of the states' bytes."""
+    x = xs[0]
+    B, T, H, DX = x.shape
+    S, M = len(xs), log_alpha.shape[-1]
+    assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
+    nseg = cdiv(nch, segment)
+    local = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
+    carries = alloc(S, B, H, nseg + 1, M, DX, dtype=torch.float32, device=x.device)
+    dcum = alloc(B, H, nch, M, dtype=torch.float32, device=x.device)
+    dseg = torch.empty(B, H, nseg, M, dtype=torch.float32, device=x.device)
+    BD = update_columns(M, DX)
+    launch(
+        "segment_update", _segment_update_kernel, (nseg, B * H, S * cdiv(DX, BD)),
+        x, xs[-1], log_alpha, mask, local, dcum, carries, dseg, x.stride(0), log_alpha.stride(0),
+        T, W, nch, nseg, H=H, M=M, DX=DX, CSZ=chunk, BD=BD, PREC=slot_precision(x.dtype), K=segment,
+        ZERO_FIRST=initial is None, num_warps=4,
+    )
+    flat = carries.view(S * B * H, nseg + 1, M, DX)
+    if initial is not None:
+        carries[:, :, :, 0] = initial
+    chained_scan(flat, dseg.view(B * H, nseg, M), flat,
+                 x0=None if initial is None else initial.contiguous().float().view(S * B * H, M, DX))
+    launched("chained carry scan")
+    return local, carries, dcum
+
+
+def _state_inputs(p, initial_keys, initial_values):
+    """[(inputs, initial)]: (k, v) in one set of launches when they share a layout (CONFIG["merge_kv_states"]), else
+    k and v apart; each with its initial state stacked as the scans take it (None: zero)."""
     carried = initial_keys is not None
     if CONFIG["merge_kv_states"] and p.k.shape == p.v.shape and p.k.dtype == p.v.dtype and p.k.stride() == p.v.stride():
-        initial = torch.stack([initial_keys, initial_values]) if carried else None
-        states, dec = slot_states((p.k, p.v), p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True,
-                                  chunk=p.cs)
-        return states[0], states[1], dec
-    sk, dec = slot_states((p.k,), p.log_alpha, p.mask, p.W, p.nch, initial_keys[None] if carried else None,
-                          return_decay=True, chunk=p.cs)
-    sv = slot_states((p.v,), p.log_alpha, p.mask, p.W, p.nch, initial_values[None] if carried else None,
-                     chunk=p.cs)
-    return sk[0], sv[0], dec
+        return [((p.k, p.v), torch.stack([initial_keys, initial_values]) if carried else None)]
+    return [((p.k,), initial_keys[None] if carried else None), ((p.v,), initial_values[None] if carried else None)]
+
+
+def kv_states(p, initial_keys=None, initial_values=None):
+    """(Sk, Sv, dec): the key and value slot states of `slot_states` ([B, H, nch + 1, M, D] and [..., DV]) and the
+    chunk decays."""
+    parts = [slot_states(xs, p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True, chunk=p.cs)
+             for xs, initial in _state_inputs(p, initial_keys, initial_values)]
+    states = [state for part, _ in parts for state in part]  # (k, v) of one part or one of each
+    return states[0], states[1], parts[0][1]
+
+
+def local_kv_states(p, segment, initial_keys=None, initial_values=None):
+    """(Lk, Lv, Ck, Cv, dcum): the key and value slot states in the segment-local form of `local_slot_states`."""
+    parts = [local_slot_states(xs, p.log_alpha, p.mask, p.W, p.nch, initial, chunk=p.cs, segment=segment)
+             for xs, initial in _state_inputs(p, initial_keys, initial_values)]
+    local = [state for part in parts for state in part[0]]
+    carries = [state for part in parts for state in part[1]]
+    return local[0], local[1], carries[0], carries[1], parts[0][2]
 
 
 def inference_chunk(G):
@@ -728,7 +839,9 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and CONFIG["save_logits"], else
     None) the scaled slot logits before the bias [B, T, HQ, M] fp32; and o's rounding residual: with
     `exact_output` and bf16/fp16 inputs, o + residual is the fp32 output formed from unrounded weights (else
-    None)."""
+    None). Without `keep_logits` the states take the segment-local form where CONFIG["state_segment"] is set
+    (`local_slot_states`), and then (Ck, Cv, None, None) come back: the states before each segment. Either way
+    [:, :, -1] of the first two is the final state."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
@@ -736,7 +849,11 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     has_window = p.W > 0
     if filled0 is None:
         filled0 = constant((B,), 0, torch.int32, dev)
-    if has_slots:
+    segment = CONFIG["state_segment"] if has_slots and not keep_logits else None
+    ck = cv = dcum = None
+    if segment:
+        sk, sv, ck, cv, dcum = local_kv_states(p, segment, initial_keys, initial_values)
+    elif has_slots:
         sk, sv, dec = kv_states(p, initial_keys, initial_values)
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
@@ -752,12 +869,14 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     launch(
         "fused forward", _fwd_kernel, grid,
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, o, residual, lse, logits if store_logits else lse, *batch_strides(p, o),
-        T, p.W, p.nch, float(scale),
+        p.bias, sk, sv, ck, cv, dcum, o, residual, lse, logits if store_logits else lse, *batch_strides(p, o),
+        T, p.W, p.nch, cdiv(p.nch, segment or 1), float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
         VPREC=value_precision(p.q.dtype), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
-        SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits,
+        SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits, KSEG=segment or 1,
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
-    return o, lse, ((sk, sv, dec, logits) if has_slots else None), residual
+    if not has_slots:
+        return o, lse, None, residual
+    return o, lse, (ck, cv, None, None) if segment else (sk, sv, dec, logits), residual

@@ -88,6 +88,12 @@ CONFIG = {
     # faster per 32K forward than 64 on the H200 (NOTES.md session 20)
     "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
+    "state_segment": 32,  # chunks per segment of the slot states of a forward that keeps none for a backward (None:
+    # every state scanned, `slot_states`): one kernel walks each segment's chunks, stores the states local to it and
+    # its end, a chained scan over the segments carries them, and the fused kernel adds the carry as it loads a
+    # state (`local_slot_states`); the states cross DRAM once instead of three times. On the H200 the 32K inference
+    # forward 1.80 -> 1.69 ms (segments of 8: 1.73, 16: 1.70), 64K 3.56 -> 3.33, 4K (host-bound) even (NOTES.md
+    # session 25)
     "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
     # held in registers, 64 per thread: 287 us per 32K training scan on the H200 against 335 with 8-chunk segments
     # of 4096 (NOTES.md session 19)
@@ -123,7 +129,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless", "delta_from_output",
+    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless", "delta_from_output", "state_segment",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -155,6 +161,10 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "ones_mask": dict(maskless=False),  # the default before session 20
     "delta_pass": dict(delta_from_output=False),  # the default before session 21
     "scan_segment_8": dict(scan_segment=8),
+    "scanned_states": dict(state_segment=None),  # the default before session 25
+    "state_segment4": dict(state_segment=4),
+    "state_segment16": dict(state_segment=16),
+    "state_segment32": dict(state_segment=32),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_keys64": dict(window_dq_keys=64, window_dkv_keys=64),  # the default before session 22 (up to 64 rows)

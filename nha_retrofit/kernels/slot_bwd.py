@@ -243,7 +243,8 @@ def _rows_side(X, xrow, Y, yrow, S, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, of
     """[rows, M] products of the block's rows of X (q or dO) with the slots they read (state S before the chunk
     and the chunk's tokens of Y, k or v, slot-weighted): the logits before scale, or dP."""
     offs_u = tl.arange(0, CSZ)
-    xy, xs = _chunk_products(X, xrow, Y, yrow, S, st, tv, jr, offs_c, DX, BD, M, M, BR, CSZ, PREC, SPREC)
+    xy, xs = _chunk_products(X, xrow, Y, yrow, S, st, None, 0, None, tv, jr, offs_c, DX, BD, M, M, BR, CSZ, PREC,
+                             SPREC)
     out = dot_f32(tl.where(causal, xy, 0.0), kw, SPREC) * tl.exp(a_in) + xs * e_car
     if direct:  # the block's own tokens: direct weights, as the forward
         cum = tl.zeros([M], dtype=tl.float32)

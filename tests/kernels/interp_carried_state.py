@@ -2,7 +2,8 @@
 `nha_chunked`: a first prefill (no state carried; without a mask, the kernels' maskless form, and with left padding)
 compared on its output and every field of its final state; then a prefill with a carried state
 (`nha_chunked_triton(..., initial_state=...)`) on its output and final slot states; with the key and the value
-states in one set of launches and in separate ones (`CONFIG["merge_kv_states"]`).
+states in one set of launches and in separate ones (`CONFIG["merge_kv_states"]`), in the segment-local form of 2-chunk
+segments (the fused kernel adds each segment's carry) and scanned whole (`CONFIG["state_segment"]`).
 
 Fresh random fp32 inputs; the carried state comes from a PyTorch prefill of the first part; first parts longer and
 shorter than the window; windows shorter than and as long as the chunk; outputs NaN-poisoned.
@@ -47,8 +48,8 @@ def main():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     chunk_fwd.POISON = True
-    for merge in (True, False):
-        config.CONFIG["merge_kv_states"] = merge
+    for merge, segment in ((True, 2), (False, 2), (True, None)):
+        config.CONFIG.update(merge_kv_states=merge, state_segment=segment)
         for first, second, window in ((77, 90, 20), (130, 41, 64), (12, 70, 20)):  # (12: nothing absorbed yet)
             x = make_inputs(2, first + second, 4, 2, 64, 32, dtype=torch.float32, seed=seed)
             head = [x[n][:, :first] for n in NAMES]
@@ -59,7 +60,7 @@ def main():
                     got, got_state = nha_chunked_triton(*head, window, x["scale"], mask, x["slot_bias"],
                                                         output_final_state=True)
                 errors = {"o": rel(got, want), **state_errors(got_state, state)}
-                print(f"merge_kv_states={merge} (first prefill of {first}, w={window}, "
+                print(f"merge_kv_states={merge}, state_segment={segment} (first prefill of {first}, w={window}, "
                       f"{'no mask' if mask is None else 'left padding'}):",
                       " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
                 assert max(errors.values()) <= 1e-5, errors
@@ -70,7 +71,7 @@ def main():
                                                     initial_state=state, output_final_state=True)
             errors = {"o": rel(got, want), "slot_keys": rel(got_state.slot_keys, want_state.slot_keys),
                       "slot_values": rel(got_state.slot_values, want_state.slot_values)}
-            print(f"merge_kv_states={merge} ({first} + {second}, w={window}):",
+            print(f"merge_kv_states={merge}, state_segment={segment} ({first} + {second}, w={window}):",
                   " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
             assert max(errors.values()) <= 1e-5, errors
     print("OK")
