@@ -209,7 +209,7 @@ def parts(T=32768, w=64):
     p = prepare(w)  # the forward stages as inference runs them (`chunk_fwd.inference_chunk`)
     out = {}
     out["prepare"] = bench(lambda: prepare(w))
-    segment = config.CONFIG["state_segment"]  # the inference forward's states: segment-local, or scanned whole
+    segment = config.state_segment(p.nch)  # the inference forward's states: segment-local, or scanned whole
     states_of = (lambda q: chunk_fwd.local_kv_states(q, segment)) if segment else chunk_fwd.kv_states
     out["kv_states"] = bench(lambda: states_of(p))
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import fast_launch
 from .chunk_scan import chained_chunk_scan
-from .config import CONFIG
+from .config import CONFIG, state_segment
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_hilo, dot_xa, dot_xb, product_precision
 
@@ -839,7 +839,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and CONFIG["save_logits"], else
     None) the scaled slot logits before the bias [B, T, HQ, M] fp32; and o's rounding residual: with
     `exact_output` and bf16/fp16 inputs, o + residual is the fp32 output formed from unrounded weights (else
-    None). Without `keep_logits` the states take the segment-local form where CONFIG["state_segment"] is set
+    None). Without `keep_logits` the states take the segment-local form where `state_segment` gives a segment
     (`local_slot_states`), and then (Ck, Cv, None, None) come back: the states before each segment. Either way
     [:, :, -1] of the first two is the final state."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
@@ -849,7 +849,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     has_window = p.W > 0
     if filled0 is None:
         filled0 = constant((B,), 0, torch.int32, dev)
-    segment = CONFIG["state_segment"] if has_slots and not keep_logits else None
+    segment = state_segment(p.nch) if has_slots and not keep_logits else None
     ck = cv = dcum = None
     if segment:
         sk, sv, ck, cv, dcum = local_kv_states(p, segment, initial_keys, initial_values)

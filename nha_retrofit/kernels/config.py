@@ -1,7 +1,8 @@
 """The kernels' tunable choices in one place: `CONFIG`, the settings every launch reads (block shapes, warps,
 precisions, which kernels fuse or overlap), each with the measurement behind its default; `CONFIG_VARIANTS`,
 named overrides that `benchmarks/ops.py --variants` times side by side and `tests/kernels` check against the
-float64 reference; `FORWARD_KEYS`, the entries the forward reads.
+float64 reference; `FORWARD_KEYS`, the entries the forward reads; `state_segment`, the one setting that depends on
+the sequence's length.
 
 Change a setting for a whole run with `CONFIG.update(...)`, or by name with `variant_overrides` (the GPU tests and
 `regreport.py` read NHA_KERNEL_VARIANT). Everything here is plain Python data: no kernel is compiled on import.
@@ -88,12 +89,13 @@ CONFIG = {
     # faster per 32K forward than 64 on the H200 (NOTES.md session 20)
     "scan_segment": 16,  # chunks per segment of the chained state scan / reverse scan (chunk_scan.py; None:
     # one sequential pass over all chunks per tile; 16 was ~1.7 ms faster per 32K step on the H200)
-    "state_segment": 32,  # chunks per segment of the slot states of a forward that keeps none for a backward (None:
-    # every state scanned, `slot_states`): one kernel walks each segment's chunks, stores the states local to it and
-    # its end, a chained scan over the segments carries them, and the fused kernel adds the carry as it loads a
-    # state (`local_slot_states`); the states cross DRAM once instead of three times. On the H200 the 32K inference
-    # forward 1.80 -> 1.69 ms (segments of 8: 1.73, 16: 1.70), 64K 3.56 -> 3.33, 4K (host-bound) even (NOTES.md
-    # session 25)
+    "state_segment": "auto",  # chunks per segment of the slot states of a forward that keeps none for a backward
+    # (None: every state scanned, `slot_states`): one kernel walks each segment's chunks, stores the states local to
+    # it and its end, a chained scan over the segments carries them, and the fused kernel adds the carry as it loads
+    # a state (`local_slot_states`); the states cross DRAM once instead of three times. "auto": `state_segment`
+    # below, the longest segment of at most 32 chunks that leaves 16 segments, scanned whole below 16 chunks.
+    # On the H200 (inference forward): 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K 3.56 -> 3.33, 16K
+    # 0.93 -> 0.87, 8K 0.474 -> 0.449 at 16 (8: 0.458, 32: 0.48); at 4K 32 made it 0.249 -> 0.292 (NOTES.md session 25)
     "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
     # held in registers, 64 per thread: 287 us per 32K training scan on the H200 against 335 with 8-chunk segments
     # of 4096 (NOTES.md session 19)
@@ -200,6 +202,20 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }
+
+
+def state_segment(nch):
+    """Chunks per segment of the segment-local slot states (`local_slot_states`) of a forward of nch chunks, or None
+    to scan them whole: CONFIG["state_segment"], where "auto" takes the longest segment of at most 32 chunks that
+    leaves 16 segments (fewer segments walk too few programs: at 4K tokens 32-chunk segments made the forward slower
+    on the H200), scanned whole where that is under 16 chunks."""
+    setting = CONFIG["state_segment"]
+    if setting != "auto":
+        return setting
+    segment = 32
+    while segment >= 16 and nch < 16 * segment:
+        segment //= 2
+    return segment if segment >= 16 else None
 
 
 def variant_overrides(name):

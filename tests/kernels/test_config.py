@@ -14,3 +14,14 @@ def test_config_variants_name_known_settings():
     assert config.variant_overrides("fwd_block16+slot_bwd_block8") == dict(fwd_block=16, slot_bwd_block=8)
     with pytest.raises(KeyError, match="unknown kernel variant"):
         config.variant_overrides("defaults+no_such_variant")
+
+
+@pytest.mark.parametrize("chunks,segment", [(1, None), (128, None), (255, None), (256, 16), (511, 16), (512, 32),
+                                            (1024, 32), (4096, 32)])
+def test_auto_state_segment_leaves_16_segments_of_16_or_32_chunks(chunks, segment, monkeypatch):
+    """"auto" (the default): the longest segment of at most 32 chunks that leaves 16 segments, none (the states
+    scanned whole) where that would be shorter than 16 chunks; a number is taken as given."""
+    monkeypatch.setitem(config.CONFIG, "state_segment", "auto")
+    assert config.state_segment(chunks) == segment
+    monkeypatch.setitem(config.CONFIG, "state_segment", 3)
+    assert config.state_segment(chunks) == 3

@@ -122,7 +122,7 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
     assert not bad, f"tolerance {tol}: {summary}"
 
 
-@pytest.mark.parametrize("segment", [32, 3, None], ids=lambda s: f"state_segment{s}")
+@pytest.mark.parametrize("segment", ["auto", 32, 3, None], ids=lambda s: f"state_segment_{s}")
 @pytest.mark.parametrize("combo", [
     (4097, 32, 8, 128, 64, 64, torch.bfloat16, 2), (2500, 9, 3, 64, 32, 5, torch.float32, 2),
     (3000, 4, 4, 128, 64, 0, torch.bfloat16, 1)],
