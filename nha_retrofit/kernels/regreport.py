@@ -34,7 +34,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
-                TOT=F32, LOGITS=F32)
+                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, ENDS=F32, DSEG=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
@@ -91,6 +91,8 @@ def cases(HQ, H, D, M):
     update = dict(H=H, M=M, DX=D, CSZ=cs, BD=cf.update_columns(M, D), PREC=config.CONFIG["slot_precision"],
                   ZERO_FIRST=True)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
+           ("segment_update K=32", cf._segment_update_kernel, dict(update, K=32), 4, 2),
+           ("segment_update K=32, 64 columns", cf._segment_update_kernel, dict(update, K=32, BD=min(64, D)), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     segment = config.CONFIG["scan_segment"] or 16
@@ -108,7 +110,8 @@ def cases(HQ, H, D, M):
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, config.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
                       BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
-                      LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None)
+                      LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
+                      CK=None, CV=None, DCUM=None, KSEG=1)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
@@ -116,6 +119,9 @@ def cases(HQ, H, D, M):
     out.append(("fwd window only", cf._fwd_kernel, dict(out[-1][2], HAS_SLOTS=False), 8, stages))
     train_cs = config.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
+    local = {k: v for k, v in train[2].items() if k not in ("CK", "CV", "DCUM")}  # the carries: pointers
+    out.append((f"fwd block={auto} bf16x3/bf16x3 slots first, segment-local states", cf._fwd_kernel,
+                dict(local, KSEG=32), train[3], stages))
     cq = cf.fwd_block(G, train_cs)
     training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True)
     if cf.keeps_exact_output(torch.bfloat16):  # its output residual stored (a pointer, not the constexpr None)
