@@ -124,12 +124,12 @@ def _update_columns(DX: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _chunk_own_update(X, X2, G, MASK, stream, b, h, offs_d, dmask, c, sx_b, sg_b, T, W,
+def _chunk_own_update(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c, sx_b, sg_b, T, W,
                       H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr):
-    """Stream chunk c's own update of the state columns offs_d, sum_j s_j exp(a_last - a_j) (x) x_j [M, BD] (x from
-    X, or X2 for stream 1), and its decay exp(a_last) [M]. A chunk past the stream is empty: zero, and decay 1."""
+    """Stream chunk c's own update of the state's slots offs_m and columns offs_d, sum_j s_j exp(a_last - a_j) (x) x_j
+    [BM, BD] (x from X, or X2 for stream 1), and its decay exp(a_last) [BM] (each slot's are its own). A chunk past
+    the stream is empty: zero, and decay 1."""
     sx_t, sx_h, sg_t, sg_h = H * DX, DX, H * M, M  # contiguous layouts (as `_token_strides`)
-    offs_m = tl.arange(0, M)
     j = c * CSZ - W + tl.arange(0, CSZ)
     jv = (j >= 0) & (j < T - W)
     jr = _real(MASK, b, T, j, jv)
@@ -161,8 +161,8 @@ def _chunk_update_kernel(
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     stream, offs_d, dmask = _update_columns(DX, BD)
-    upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, offs_d, dmask, c, sx_b, sg_b, T,
-                                 W, H, M, DX, CSZ, PREC)
+    upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, tl.arange(0, M), offs_d, dmask, c,
+                                 sx_b, sg_b, T, W, H, M, DX, CSZ, PREC)
     base = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * (NCH + 1) + c + 1
     tile = tl.arange(0, M)[:, None] * DX + offs_d[None, :]
     tl.store(U + base * M * DX + tile, upd, mask=dmask[None, :])
@@ -178,7 +178,7 @@ def _segment_update_kernel(
     X, X2, G, MASK, LOCAL, DCUM, ENDS, DSEG,
     sx_b, sg_b, T, W, NCH, NSEG,
     H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, K: tl.constexpr, ZERO_FIRST: tl.constexpr,
+    PREC: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, ZERO_FIRST: tl.constexpr,
 ):
     """Per segment of K stream chunks (program axis 0; axes 1 and 2 as `_chunk_update_kernel`'s), its chunks in
     order: LOCAL[c] = the segment-local state before chunk c (from zero at the segment's start: every chunk's own
@@ -187,29 +187,30 @@ def _segment_update_kernel(
     The state before chunk c is then LOCAL[c] + DCUM[c] * (the state before its segment), which a scan over the
     segments' ENDS gives (`local_slot_states`): the states cross DRAM once, where the chunk update and the chained
     scan move them three times."""
-    seg = tl.program_id(0)
+    NSB: tl.constexpr = M // BM  # program axis 0: segment x block of BM slots (each slot's updates are its own)
+    seg = tl.program_id(0) // NSB
     pid_bh = tl.program_id(1)
     stream, offs_d, dmask = _update_columns(DX, BD)
     row = (stream * tl.num_programs(1) + pid_bh).to(tl.int64)
-    offs_m = tl.arange(0, M)
+    offs_m = (tl.program_id(0) % NSB) * BM + tl.arange(0, BM)
     tile = offs_m[:, None] * DX + offs_d[None, :]
-    state = tl.zeros([M, BD], dtype=tl.float32)
-    dcum = tl.full([M], 1.0, dtype=tl.float32)
+    state = tl.zeros([BM, BD], dtype=tl.float32)
+    dcum = tl.full([BM], 1.0, dtype=tl.float32)
     for i in range(K):
         c = seg * K + i
         inside = (c + 0 * offs_m) < NCH  # (a vector mask: the interpreter lacks scalar ones)
         tl.store(LOCAL + (row * (NCH + 1) + c) * M * DX + tile, state, mask=inside[:, None] & dmask[None, :])
         if tl.program_id(2) == 0:
             tl.store(DCUM + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, dcum, mask=inside)
-        upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, offs_d, dmask, c, sx_b, sg_b,
-                                     T, W, H, M, DX, CSZ, PREC)
+        upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, offs_m, offs_d, dmask, c, sx_b,
+                                     sg_b, T, W, H, M, DX, CSZ, PREC)
         state = dec[:, None] * state + upd
         dcum = dcum * dec
     ends = row * (NSEG + 1) + seg
     tl.store(ENDS + (ends + 1) * M * DX + tile, state, mask=dmask[None, :])
     if ZERO_FIRST:
         if seg == 0:
-            tl.store(ENDS + ends * M * DX + tile, tl.zeros([M, BD], dtype=tl.float32), mask=dmask[None, :])
+            tl.store(ENDS + ends * M * DX + tile, tl.zeros([BM, BD], dtype=tl.float32), mask=dmask[None, :])
     if tl.program_id(2) == 0:
         tl.store(DSEG + (pid_bh.to(tl.int64) * NSEG + seg) * M + offs_m, dcum)
 
@@ -763,10 +764,12 @@ def local_slot_states(xs, log_alpha, mask, W, nch, initial=None, *, chunk, segme
     dcum = alloc(B, H, nch, M, dtype=torch.float32, device=x.device)
     dseg = torch.empty(B, H, nseg, M, dtype=torch.float32, device=x.device)
     BD = update_columns(M, DX)
+    BM = min(M, CONFIG["segment_update_slots"] or M)
+    assert M % BM == 0, "the segment update's slot blocks must divide the slots"
     launch(
-        "segment_update", _segment_update_kernel, (nseg, B * H, S * cdiv(DX, BD)),
+        "segment_update", _segment_update_kernel, (nseg * (M // BM), B * H, S * cdiv(DX, BD)),
         x, xs[-1], log_alpha, mask, local, dcum, carries, dseg, x.stride(0), log_alpha.stride(0),
-        T, W, nch, nseg, H=H, M=M, DX=DX, CSZ=chunk, BD=BD, PREC=slot_precision(x.dtype), K=segment,
+        T, W, nch, nseg, H=H, M=M, DX=DX, CSZ=chunk, BD=BD, PREC=slot_precision(x.dtype), K=segment, BM=BM,
         ZERO_FIRST=initial is None, num_warps=4,
     )
     flat = carries.view(S * B * H, nseg + 1, M, DX)

@@ -96,6 +96,9 @@ CONFIG = {
     # below, the longest segment of at most 32 chunks that leaves 16 segments, scanned whole below 16 chunks.
     # On the H200 (inference forward): 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K 3.56 -> 3.33, 16K
     # 0.93 -> 0.87, 8K 0.474 -> 0.449 at 16 (8: 0.458, 32: 0.48); at 4K 32 made it 0.249 -> 0.292 (NOTES.md session 25)
+    "segment_update_slots": None,  # slots per program of the segment-local states' update walk (None: all M): the
+    # slots' updates are independent, so 32 halves each program's tiles (255 -> fewer registers) and doubles the
+    # programs (untimed; 32-slot tiles are where Triton 3.6 miscompiled other kernels on the H200, NOTES.md session 25)
     "scan_block": 8192,  # elements (segment chunks x state columns x slots) per program of the chained scans,
     # held in registers, 64 per thread: 287 us per 32K training scan on the H200 against 335 with 8-chunk segments
     # of 4096 (NOTES.md session 19)
@@ -132,6 +135,7 @@ FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of t
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
     "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless", "delta_from_output", "state_segment",
+    "segment_update_slots",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -167,6 +171,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "state_segment4": dict(state_segment=4),
     "state_segment16": dict(state_segment=16),
     "state_segment32": dict(state_segment=32),
+    "segment_update_slots32": dict(segment_update_slots=32),
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_keys64": dict(window_dq_keys=64, window_dkv_keys=64),  # the default before session 22 (up to 64 rows)

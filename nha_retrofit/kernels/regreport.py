@@ -91,8 +91,11 @@ def cases(HQ, H, D, M):
     update = dict(H=H, M=M, DX=D, CSZ=cs, BD=cf.update_columns(M, D), PREC=config.CONFIG["slot_precision"],
                   ZERO_FIRST=True)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
-           ("segment_update K=32", cf._segment_update_kernel, dict(update, K=32), 4, 2),
-           ("segment_update K=32, 64 columns", cf._segment_update_kernel, dict(update, K=32, BD=min(64, D)), 4, 2),
+           ("segment_update K=32", cf._segment_update_kernel, dict(update, K=32, BM=M), 4, 2),
+           ("segment_update K=32, 64 columns", cf._segment_update_kernel, dict(update, K=32, BM=M, BD=min(64, D)), 4,
+            2),
+           ("segment_update K=32, 32 slots", cf._segment_update_kernel, dict(update, K=32, BM=min(32, M)), 4, 2),
+           ("segment_update K=32, 16 slots", cf._segment_update_kernel, dict(update, K=32, BM=min(16, M)), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     segment = config.CONFIG["scan_segment"] or 16

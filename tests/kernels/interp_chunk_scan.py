@@ -6,8 +6,9 @@ interpreter runs one program at a time, in ticket order: the waiting between seg
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks (blocks padded to
 a power of two); 4 of the 16 slots per program, 40 columns (padded to 64, masked); forward scans in place
 from zero and from a carried state, reverse scans; the segment-local states of a forward without a backward
-(`local_slot_states`) rebuilt from their carries. Every output element is NaN-poisoned first. The scans
-share their tickets and flags from one launch to the next, so each must leave them at zero.
+(`local_slot_states`, its update walk over all 16 slots per program or blocks of 8) rebuilt from their carries.
+Every output element is NaN-poisoned first. The scans share their tickets and flags from one launch to the next, so
+each must leave them at zero.
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernels/interp_chunk_scan.py   (prints OK and exits 0)
 """
@@ -91,8 +92,10 @@ def main():
             check(f"{key[0]} [{key[1]}] K={segment}", got[key], want[key])
 
     # the segment-local form (`local_slot_states`): local + dcum * carry gives every state, the last carry the final
-    # one; segments of 1, 2 and 3 chunks and one longer than all; carries scanned in one and in several programs
-    for state_segment in (1, 2, 3, 8):
+    # one; segments of 1, 2 and 3 chunks and one longer than all; carries scanned in one and in several programs; the
+    # update walk over all slots per program and over blocks of 8
+    for state_segment, slot_block in ((1, None), (2, 8), (3, None), (8, 8)):
+        config.CONFIG["segment_update_slots"] = slot_block
         for scan_segment in (1, 16):
             config.CONFIG["scan_segment"] = scan_segment
             for start, name in ((None, "slot_states"), (initial, "slot_states from a state")):
@@ -101,7 +104,7 @@ def main():
                                                                        chunk=chunk, segment=state_segment)
                 full = torch.stack([want[name, 0], want[name, 1]])  # [2, B, H, nch + 1, M, D]
                 rebuilt = local[:, :, :, :nch] + dcum[..., None] * carries[:, :, :, torch.arange(nch) // state_segment]
-                label = f"local {name} K={state_segment}, carries K={scan_segment}"
+                label = f"local {name} K={state_segment}, carries K={scan_segment}, slot blocks {slot_block}"
                 check(f"{label}: states", rebuilt, full[:, :, :, :nch])
                 check(f"{label}: final", carries[:, :, :, -1], full[:, :, :, nch])
     print("OK")

@@ -122,16 +122,19 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
     assert not bad, f"tolerance {tol}: {summary}"
 
 
-@pytest.mark.parametrize("segment", ["auto", 32, 3, None], ids=lambda s: f"state_segment_{s}")
+@pytest.mark.parametrize("overrides", [dict(state_segment="auto"), dict(state_segment=32), dict(state_segment=3),
+                                       dict(state_segment=None), dict(state_segment=32, segment_update_slots=32)],
+                         ids=lambda o: "+".join(f"{k}_{v}" for k, v in o.items()))
 @pytest.mark.parametrize("combo", [
     (4097, 32, 8, 128, 64, 64, torch.bfloat16, 2), (2500, 9, 3, 64, 32, 5, torch.float32, 2),
     (3000, 4, 4, 128, 64, 0, torch.bfloat16, 1)],
                          ids=lambda c: "T{}_g{}-{}_D{}_M{}_w{}_{}".format(*c[:6], str(c[6])[6:]))
-def test_forward_without_gradients_matches_float64_reference(combo, segment, monkeypatch):
+def test_forward_without_gradients_matches_float64_reference(combo, overrides, monkeypatch):
     """The inference forward, whose slot states take the segment-local form (CONFIG["state_segment"]: the fused
     kernel adds each segment's carry) over many segments, against float64; and its final state (prefill)."""
     T, HQ, H, D, M, window, dtype, batch = combo
-    monkeypatch.setitem(config.CONFIG, "state_segment", segment)
+    for key, value in overrides.items():
+        monkeypatch.setitem(config.CONFIG, key, value)
     inputs = cuda_inputs(T, HQ, H, D, M, dtype, batch)
     mask = padding_mask(batch, T, "left").cuda()
     args = [inputs[n].to(dtype) for n in NAMES[:6]]
@@ -143,7 +146,7 @@ def test_forward_without_gradients_matches_float64_reference(combo, segment, mon
     errors = {"o": rel(out, ref), "slot_keys": rel(state.slot_keys, ref_state.slot_keys),
               "slot_values": rel(state.slot_values, ref_state.slot_values)}
     summary = " ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    print(f"\nERRORS no-grad forward {combo} state_segment={segment}: {summary}")
+    print(f"\nERRORS no-grad forward {combo} {overrides}: {summary}")
     assert max(errors.values()) <= TOL[dtype], errors
 
 
