@@ -94,8 +94,9 @@ CONFIG = {
     # it and its end, a chained scan over the segments carries them, and the fused kernel adds the carry as it loads
     # a state (`local_slot_states`); the states cross DRAM once instead of three times. "auto": `state_segment`
     # below, the longest segment of at most 32 chunks that leaves 16 segments, scanned whole below 16 chunks.
-    # On the H200 (inference forward): 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K 3.56 -> 3.33, 16K
-    # 0.93 -> 0.87, 8K 0.474 -> 0.449 at 16 (8: 0.458, 32: 0.48); at 4K 32 made it 0.249 -> 0.292 (NOTES.md session 25)
+    # On the H200 (inference forward), side by side: 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K
+    # 3.56 -> 3.33, 8K 0.474 -> 0.449 at 16 (8: 0.458); from two tables (results/ops_h200.json at commits fe69b41 and
+    # 9f65eb0, graph-replayed): 16K 0.92 -> 0.86, 8K 0.479 -> 0.482 and 4K 0.249 -> 0.292 at 32 (NOTES.md session 25)
     "segment_update_slots": None,  # slots per program of the segment-local states' update walk (None: all M): the
     # slots' updates are independent, so 32 halves each program's tiles (255 -> fewer registers) and doubles the
     # programs (untimed; 32-slot tiles are where Triton 3.6 miscompiled other kernels on the H200, NOTES.md session 25)
