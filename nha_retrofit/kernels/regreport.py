@@ -34,7 +34,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
-                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, ENDS=F32, DSEG=F32)
+                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, ENDS=F32, DSEG=F32, DVW=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
