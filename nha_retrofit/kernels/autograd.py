@@ -187,17 +187,17 @@ def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, atten
         window_mask = torch.ones(batch, total - keep, dtype=torch.bool, device=q.device)
     else:
         absorbed_real = smask[:, :keep].any(1)
-        window_mask = smask[:, keep:].contiguous()
+        window_mask = smask[:, keep:]
     final = NHAState(
-        slot_keys=final_keys.to(state_dtype).contiguous(),
-        slot_values=final_values.to(state_dtype).contiguous(),
+        slot_keys=final_keys.to(state_dtype),
+        slot_values=final_values.to(state_dtype),
         slots_filled=absorbed_real if filled0 is None else filled0 | absorbed_real,
-        window_keys=sk_[:, keep:].contiguous(),
-        window_keys_rope=skr[:, keep:].contiguous(),
-        window_values=sv_[:, keep:].contiguous(),
-        window_log_alpha=sla[:, keep:].to(gate_dtype).contiguous(),
+        window_keys=sk_[:, keep:],
+        window_keys_rope=skr[:, keep:],
+        window_values=sv_[:, keep:],
+        window_log_alpha=sla[:, keep:].to(gate_dtype),
         window_mask=window_mask,
-    )
+    ).compact()
     return o, final
 
 

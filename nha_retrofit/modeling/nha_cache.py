@@ -44,7 +44,12 @@ class NHACacheLayer(CacheLayerMixin):
         return -1
 
     def state_bytes(self) -> int:
-        return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state.tensors())
+        """Bytes of memory the state keeps alive: its tensors' storages, once each (a view keeps all of the tensor
+        it views alive, and would count as such)."""
+        if self.state is None:
+            return 0
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.state.tensors()}
+        return sum(storages.values())
 
     def _map_state(self, fn) -> None:
         if self.state is not None:

@@ -122,7 +122,7 @@ def nha_chunked(
         window_values=stream_v[:, keep:],
         window_log_alpha=stream_gates[:, keep:],
         window_mask=mask[:, keep:],
-    )
+    ).compact()
     return out, final_state
 
 

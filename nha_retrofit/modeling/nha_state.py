@@ -62,6 +62,12 @@ class NHAState:
         """A new state with `fn` applied to every tensor (batch selection, device moves, ...)."""
         return NHAState(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
 
+    def compact(self) -> "NHAState":
+        """This state with every tensor holding only its own elements (views copied out). A prefill's window is a
+        slice of the whole prompt's keys, values and gates: kept in a cache as a view, it would keep all of them
+        alive, O(prompt) memory per layer where the state promises a fixed size."""
+        return self.map(lambda t: t if _owns_its_memory(t) else t.clone(memory_format=torch.contiguous_format))
+
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
@@ -98,3 +104,8 @@ class NHAState:
             padded[name] = torch.cat([x.new_zeros(x.shape[0], window - length, *x.shape[2:]), x], 1)
         return NHAState(state.slot_keys.contiguous(), state.slot_values.contiguous(),
                         state.slots_filled.contiguous(), **padded)
+
+
+def _owns_its_memory(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is the whole of its storage (not a view into a larger tensor)."""
+    return tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -426,6 +426,19 @@ def test_prefill_in_two_parts_with_carried_state(window):
         assert rel(state.slot_keys, ref_state.slot_keys) <= 5e-3
 
 
+@pytest.mark.parametrize("window", [64, None])
+def test_prefill_state_holds_only_its_own_memory(window):
+    """The kernels' prefill state is a copy of its window and final slots (batch of one: every slice of the prompt's
+    tensors is contiguous), so a cache of it does not keep the prompt's keys, values, gates and states alive."""
+    inputs = cuda_inputs(1000, 8, 2, 64, 32, torch.bfloat16, 1)
+    args = [inputs[n].to(torch.bfloat16) for n in NAMES[:6]]
+    with torch.no_grad():
+        _, state = nha_chunked_triton(*args, window, inputs["scale"], None, inputs["slot_bias"],
+                                      output_final_state=True)
+    for tensor in state.tensors():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 # (T, HQ, H, D, M, window, batch), bf16: a sweep of short sequences over slot counts, heads per kv head (1..8),
 # D and windows, two fresh draws each; Triton 3.6 miscompiled some narrow-tile shapes the combinations above miss
 SWEEP = [(63, 16, 2, 64, 16, 1, 1), (63, 16, 2, 64, 32, 1, 1), (63, 16, 2, 64, 64, 1, 1), (300, 16, 2, 64, 64, 65, 2),

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from nha_oracle import make_inputs, nha_oracle, padding_mask
 from nha_retrofit.modeling.nha_gates import gate_log_alpha
+from nha_retrofit.modeling.nha_state import WINDOW_FIELDS
 from nha_retrofit.ops import NHAState, nha_chunked, nha_recurrent_step, nha_reference
 
 OPERATOR_ARGS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
@@ -161,6 +162,20 @@ def test_state_window_ring_reads_oldest_first():
         assert torch.equal(getattr(rotated.chronological(), name), getattr(roomy, name))
     with pytest.raises(ValueError, match="more than the window"):
         state.for_decoding(5)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("window", [0, 5, None])
+def test_prefill_state_holds_only_its_own_memory(batch, window):
+    """A prefill's final state is a copy of its window, not a view of the prompt's keys, values and gates: a cached
+    view would keep the whole prompt alive (in a batch of one every window slice is contiguous, so `contiguous()`
+    alone does not copy it)."""
+    inputs = make_inputs(batch, 111, 4, 2, 8, 5)
+    _, state = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, window=window, scale=inputs["scale"],
+                           output_final_state=True)
+    for name, tensor in zip(("slot_keys", "slot_values", "slots_filled", *WINDOW_FIELDS, "window_start"),
+                            state.tensors()):
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
 
 
 def test_batch_slices_states_concatenate_into_the_batch_state():
