@@ -1,12 +1,13 @@
 """The three plain-PyTorch NHA forms against a float64 brute-force oracle and against each other."""
 
+from dataclasses import fields
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nha_oracle import make_inputs, nha_oracle, padding_mask
 from nha_retrofit.modeling.nha_gates import gate_log_alpha
-from nha_retrofit.modeling.nha_state import WINDOW_FIELDS
 from nha_retrofit.ops import NHAState, nha_chunked, nha_recurrent_step, nha_reference
 
 OPERATOR_ARGS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
@@ -173,9 +174,9 @@ def test_prefill_state_holds_only_its_own_memory(batch, window):
     inputs = make_inputs(batch, 111, 4, 2, 8, 5)
     _, state = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, window=window, scale=inputs["scale"],
                            output_final_state=True)
-    for name, tensor in zip(("slot_keys", "slot_values", "slots_filled", *WINDOW_FIELDS, "window_start"),
-                            state.tensors()):
-        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+    for field in fields(state):
+        tensor = getattr(state, field.name)
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), field.name
 
 
 def test_batch_slices_states_concatenate_into_the_batch_state():
