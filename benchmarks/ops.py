@@ -10,6 +10,7 @@ benchmarks/results/ops_h200.md.
     python benchmarks/ops.py --parts --variants all   # stages at 32K; CONFIG variants side by side
     python benchmarks/ops.py --variants defaults,window_keys64 --variant-window 512   # variants at another window
     python benchmarks/ops.py --variants defaults,chunk64 --variant-heads 64,8,128   # ... at other head shapes
+    python benchmarks/ops.py --variants defaults,no_prefetch --variant-graph   # ... replayed from CUDA graphs
     python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two steps of a session
 """
 
@@ -242,9 +243,10 @@ def parts(T=32768, w=64):
     return out
 
 
-def variants(lengths, names, w=64, decode=False):
-    """Time each CONFIG variant (forward and forward+backward; with `decode` also the eager 28-layer decode step,
-    for variants of the host side) side by side; returns records."""
+def variants(lengths, names, w=64, decode=False, graphed=False):
+    """Time each CONFIG variant (forward and forward+backward; `graphed`: replayed from a CUDA graph, the GPU's own
+    time; with `decode` also the eager 28-layer decode step, for variants of the host side) side by side; returns
+    records."""
     base = dict(config.CONFIG)
     records = []
 
@@ -261,12 +263,13 @@ def variants(lengths, names, w=64, decode=False):
                 if mode == "fwd" and overrides and not set(overrides) & config.FORWARD_KEYS:
                     continue  # the forward is the defaults': timed with forward+backward only
                 try:
-                    ms = run_nha(T, w, mode)
+                    ms = run_nha(T, w, mode, graphed)
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
                     print(f"variant {name} T={T} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     ms = None
-                records.append(dict(impl="variant: " + name, T=T, window=w, mode=mode, ms=ms, heads=f"{HQ},{H},{D}"))
-                print(f"variant {name:18s} T={T:6d} {mode:7s} {ms if ms is None else round(ms, 3)}", flush=True)
+                label = mode + (" graph" if graphed else "")
+                records.append(dict(impl="variant: " + name, T=T, window=w, mode=label, ms=ms, heads=f"{HQ},{H},{D}"))
+                print(f"variant {name:18s} T={T:6d} {label:13s} {ms if ms is None else round(ms, 3)}", flush=True)
                 torch.cuda.empty_cache()
     for name in names if decode else []:
         use(name)
@@ -296,6 +299,8 @@ def main():
     ap.add_argument("--variant-heads", default=None, metavar="HQ,H,D",
                     help="query heads, kv heads and head dim of the variant timings (default 32,8,128)")
     ap.add_argument("--variant-decode", action="store_true", help="also time each variant's eager decode step")
+    ap.add_argument("--variant-graph", action="store_true",
+                    help="time the variants replayed from a CUDA graph (the GPU's time without the host's)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="time nothing: merge these runs' records (later files win for the same impl, T, window, "
                     "mode; e.g. the fla_gsa step of the same session) into --out-dir, for --device")
@@ -348,7 +353,7 @@ def main():
             global HQ, H, D
             HQ, H, D = (int(x) for x in args.variant_heads.split(","))
         records += variants([int(x) for x in args.variant_lengths.split(",")], names, w=args.variant_window,
-                            decode=args.variant_decode)
+                            decode=args.variant_decode, graphed=args.variant_graph)
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None
         for warps in (4, 8):

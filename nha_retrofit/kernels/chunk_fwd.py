@@ -378,6 +378,24 @@ def _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, j, T, W, cum, a_in, seen
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ptrs to be brought into L2 (PTX prefetch.global.L2): no register is held and
+    nothing waits, so a later load of them waits on L2 instead of DRAM. The fused forward runs one program per
+    multiprocessor (255 registers), whose loads otherwise expose DRAM latency one after another (NOTES.md, session
+    28)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(X, row_off, DX: tl.constexpr):
+    """_prefetch_l2 of the rows of DX elements of X at the element offsets row_off (DX x X's element size a power
+    of two of at least 128 bytes: `fwd_prefetch`)."""
+    PER_LINE: tl.constexpr = 1024 // X.dtype.element_ty.primitive_bitwidth
+    _prefetch_l2(X + (row_off[:, None] + tl.arange(0, DX // PER_LINE)[None, :] * PER_LINE))
+
+
+@triton.jit
 def _state_tile(S, st, CARRY, ct, dcum, offs_m, cols, M: tl.constexpr, DX: tl.constexpr):
     """Columns `cols` of the slot state before a chunk, [MT, len(cols)] (rows offs_m, zero past slot M): row st of S,
     or in the segment-local form (CARRY not None: `local_slot_states`) S's local state there plus the carry into
@@ -485,7 +503,7 @@ def _fwd_kernel(
     MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """o and the joint log-sum-exp of a block of query rows (module docstring); with STORE_LOGITS also the scaled
     slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads instead
@@ -540,6 +558,14 @@ def _fwd_kernel(
         causal = offs_u[None, :] <= ul[:, None]  # [BR, CS]
         st = pid_bh.to(tl.int64) * (NCH + 1) + c
         ct = pid_bh.to(tl.int64) * (NSEG + 1) + c // KSEG
+        if PREFETCH > 1:  # the value state, read after the softmax, and the key state's later column passes
+            state_rows = tl.minimum(offs_m, M - 1)
+            _prefetch_rows(SV, st * M * DV + state_rows * DV, DV)
+            _prefetch_rows(SK, st * M * D + state_rows * D, D)
+        if PREFETCH > 0 and HAS_WINDOW and SLOTS_FIRST:  # the window's keys and values, read after the slot part
+            jw = tl.minimum(tl.maximum(t0 - W + 1, 0) + tl.arange(0, 128), T - 1).to(tl.int64)
+            _prefetch_rows(KR, b * sk_b + jw * sk_t + h * sk_h, D)
+            _prefetch_rows(V, b * sv_b + jw * sv_t + h * sv_h, DV)
         dcum = tl.zeros([MT], dtype=tl.float32)
         if CK is not None:
             dcum = tl.load(DCUM + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, mask=slots, other=0.0)
@@ -628,9 +654,11 @@ def slot_precision(dtype):
     return product_precision(CONFIG["slot_precision"], dtype)
 
 
-def value_precision(dtype):
-    """SPREC of the slot part's P.V products: CONFIG["value_precision"], else as slot_precision."""
-    return product_precision(CONFIG["value_precision"] or CONFIG["slot_precision"], dtype)
+def value_precision(dtype, training=True):
+    """SPREC of the slot part's P.V products: CONFIG["value_precision"], else as slot_precision; for a forward whose
+    backward cannot run CONFIG["inference_value_precision"] first (its output alone needs them)."""
+    name = None if training else CONFIG["inference_value_precision"]
+    return product_precision(name or CONFIG["value_precision"] or CONFIG["slot_precision"], dtype)
 
 
 def keeps_exact_output(dtype):
@@ -663,6 +691,7 @@ class Prepared:
         # in its own dtype (the kernels read it as fp32): a model's bf16 parameter costs no cast here nor its backward
         self.bias = constant((self.HQ,), 0.0, torch.float32, dev) if slot_bias is None else slot_bias.contiguous()
         self.prec = dot_precision(q.dtype)
+        self.training = training  # whether a backward can run
         # read once: the backward uses the forward's chunking
         self.cs = (CONFIG["train_chunk"] or inference_chunk(self.G)) if training else inference_chunk(self.G)
         self.nch = cdiv(self.T, self.cs)
@@ -831,6 +860,18 @@ def fwd_block(G, cs):
     return cq
 
 
+def fwd_prefetch(p: Prepared, segment):
+    """The fused forward's PREFETCH: CONFIG["fwd_prefetch"] for a training forward and one with segment-local states
+    (the others, below 8K tokens, lost 0.004 ms per 4K forward with it on the H200: NOTES.md session 28); 0 under
+    Triton's interpreter (it has no inline PTX) and where a key or value row is not a power of two of whole
+    128-byte lines."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not (p.training or segment):
+        return 0
+    if any(d < 64 or d & (d - 1) for d in (p.D, p.DV)):
+        return 0
+    return CONFIG["fwd_prefetch"]
+
+
 def fwd_warps(rows, dim):
     """Warps of the fused kernel for a [rows x dim] tile of rows."""
     return 4 if rows * dim < 32 * 128 else CONFIG["num_warps_64"] if rows <= 64 else CONFIG["num_warps_128"]
@@ -876,8 +917,9 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         T, p.W, p.nch, cdiv(p.nch, segment or 1), float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
-        VPREC=value_precision(p.q.dtype), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
+        VPREC=value_precision(p.q.dtype, p.training), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits, KSEG=segment or 1,
+        PREFETCH=fwd_prefetch(p, segment),
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     if not has_slots:

@@ -24,8 +24,17 @@ CONFIG = {
     "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
     "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
+    "fwd_prefetch": 2,  # L2 prefetches the fused forward issues before its slot part (`_prefetch_l2`): 1 the window's
+    # keys and values (read after the slot part), 2 also the chunk's key and value states (0: none). On the H200 at
+    # 32K (inference forward, side by side, with walk_prefetch 1) 1.686 -> 1.627 ms at 2, 1.719 with the states alone;
+    # the training step 7.115 -> 7.081; prefetching the inputs of the program one wave later lost (1.93; NOTES.md
+    # session 28)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o alone, but not for the backward's delta, so with it the delta pass runs instead of delta_from_output)
+    "inference_value_precision": "bf16",  # ... of a forward without a backward, whose output alone reads them (None:
+    # as value_precision): one MMA of the weights and the value state rounded to bf16, as flash attention's P . V.
+    # On the H200 (side by side, NOTES.md session 28) 32K 1.626-1.632 -> 1.580 ms, 64K 3.20 -> 3.12, graph-replayed
+    # 16K 0.835 -> 0.813, 4K 0.245 -> 0.236; TF32 1.66
     "fwd_min_slot_tile": 64,  # the fused kernel's slot tiles are at least this wide (padding slots masked):
     # with 16 or 32 slots, D = 64 and 3-4 query heads per kv head, Triton 3.6 miscompiled it on the H200
     # (compute-sanitizer: an out-of-bounds shared-memory read in a slot product; wrong output or a fault;
@@ -134,14 +143,15 @@ CONFIG = {
 
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
-    "fwd_slots_first", "value_precision", "fwd_min_slot_tile", "block_factor_limit", "scan_tile", "scan_segment",
-    "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless", "delta_from_output", "state_segment",
-    "segment_update_slots",
+    "fwd_slots_first", "value_precision", "inference_value_precision", "fwd_min_slot_tile", "block_factor_limit",
+    "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
+    "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
     "defaults": {},
     "values_tf32": dict(value_precision="tf32"),
+    "inference_values_bf16x3": dict(inference_value_precision=None),  # the default before session 28
     "fwd_tf32": dict(slot_precision="tf32"),  # timing only: log_alpha 1.1e-2 at T=4097 (NOTES.md, session 19)
     "bwd_tf32": dict(slot_bwd_precision="tf32"),  # timing only: fails the log_alpha bound (NOTES.md, session 13)
     "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
@@ -154,6 +164,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_warps4": dict(num_warps_64=4),
     "fwd_stages2": dict(num_stages=2),
     "fwd_window_first": dict(fwd_slots_first=False),
+    "no_prefetch": dict(fwd_prefetch=0),  # the default before session 28
+    "prefetch_window": dict(fwd_prefetch=1),
     "direct_blocks": dict(block_factor_limit=0.0),
     "recompute_states": dict(save_states=False),
     "recompute_logits": dict(save_logits=False),

@@ -7,7 +7,8 @@ SPREC names how an fp32 x fp32 product is formed:
 - "tf32": one TF32 MMA (10 mantissa bits per operand);
 - "tf32x3": hi.hi + hi.lo + lo.hi with TF32 hi/lo splits (Triton's own), ~fp32 accuracy;
 - "bf16x3": the same with bf16 hi/lo splits: three bf16 MMAs (twice the tensor-core rate of TF32, operands half
-  the registers), about 2^-16 relative per product instead of ~2^-21.
+  the registers), about 2^-16 relative per product instead of ~2^-21;
+- "bf16": one bf16 MMA of both operands rounded (2^-9 relative per operand, as flash attention's P . V).
 A product with one operand exact in the split format (bf16/fp16 inputs upcast to fp32 and 0/1 selections for
 TF32; bf16 inputs for bf16, see `product_precision`) needs only two MMAs: `dot_xa` / `dot_xb` split just the
 other operand (the third MMA would multiply the exact operand's zero low part: the same accuracy).
@@ -20,10 +21,13 @@ import triton.language as tl
 
 def product_precision(name, dtype):
     """The SPREC for fp32 products of a kernel whose inputs are `dtype`: "ieee" for fp32 inputs, else `name`,
-    except that "bf16x3" falls back to "tf32x3" for fp16 inputs (fp16 values are exact in TF32, not in bf16)."""
+    except that for fp16 inputs "bf16x3" falls back to "tf32x3" (fp16 values are exact in TF32, not in bf16) and
+    "bf16" to "tf32"."""
     if dtype == torch.float32:
         return "ieee"
-    return "tf32x3" if name == "bf16x3" and dtype != torch.bfloat16 else name
+    if dtype != torch.bfloat16:
+        return {"bf16x3": "tf32x3", "bf16": "tf32"}.get(name, name)
+    return name
 
 
 @triton.jit
@@ -46,6 +50,8 @@ def dot_f32(a, b, SPREC: tl.constexpr):
         ah, al = _bf16_split(a)
         bh, bl = _bf16_split(b)
         return tl.dot(ah, bh, tl.dot(al, bh, tl.dot(ah, bl)))
+    elif SPREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     else:
         return tl.dot(a, b, input_precision=SPREC)
 

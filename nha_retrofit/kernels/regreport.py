@@ -66,6 +66,8 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, 
             return "ptxas: " + out.stderr.strip()[-200:]
         text = (f"regs {regs.group(1):>3}, spill {int(spill.group(1)) if spill else 0:>5} B, "
                 f"smem {kernel.metadata.shared / 1024:5.0f} KB")
+        if "C7511" in out.stderr:  # ptxas waits for each wgmma before the next: its accumulators lack registers
+            text += ", wgmma serialized"
         if sass:
             text += "; " + instruction_mix(subprocess.run([NVDISASM, "-c", cubin], capture_output=True,
                                                           text=True).stdout)
@@ -114,7 +116,7 @@ def cases(HQ, H, D, M):
                       BR=br, BN=64 if br <= 64 else 32,
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
                       LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
-                      CK=None, CV=None, DCUM=None, KSEG=1)
+                      CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
@@ -123,10 +125,12 @@ def cases(HQ, H, D, M):
     train_cs = config.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
     local = {k: v for k, v in train[2].items() if k not in ("CK", "CV", "DCUM")}  # the carries: pointers
-    out.append((f"fwd block={auto} bf16x3/bf16x3 slots first, segment-local states", cf._fwd_kernel,
-                dict(local, KSEG=32), train[3], stages))
+    for prefetch in (0, 1, 2):  # CONFIG["fwd_prefetch"]
+        out.append((f"fwd block={auto} bf16x3/bf16x3 slots first, segment-local states, prefetch {prefetch}",
+                    cf._fwd_kernel, dict(local, KSEG=32, PREFETCH=prefetch), train[3], stages))
     cq = cf.fwd_block(G, train_cs)
-    training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True)
+    training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True,
+                    PREFETCH=config.CONFIG["fwd_prefetch"])
     if cf.keeps_exact_output(torch.bfloat16):  # its output residual stored (a pointer, not the constexpr None)
         del training["ORES"]
     out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel, training,
