@@ -24,11 +24,12 @@ CONFIG = {
     "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
     "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
-    "fwd_prefetch": 2,  # L2 prefetches the fused forward issues before its slot part (`_prefetch_l2`): 1 the window's
-    # keys and values (read after the slot part), 2 also the chunk's key and value states (0: none). On the H200 at
-    # 32K (inference forward, side by side, with walk_prefetch 1) 1.686 -> 1.627 ms at 2, 1.719 with the states alone;
-    # the training step 7.115 -> 7.081; prefetching the inputs of the program one wave later lost (1.93; NOTES.md
-    # session 28)
+    "fwd_prefetch": 2,  # L2 prefetches the fused forward issues before its slot part (`_prefetch_l2`), in a training
+    # forward and one with segment-local states (`fwd_prefetch`): 1 the window's keys and values (read after the slot
+    # part), 2 also the chunk's key and value states (0: none). On the H200, side by side, the 32K inference forward
+    # 1.678-1.686 -> 1.626-1.634 ms at 2 (1.645-1.657 at 1, 1.719 with the states alone), 64K 3.32-3.34 -> 3.20-3.23,
+    # the training step 7.09-7.12 -> 7.05-7.09; prefetching the inputs of the program one wave later lost (1.93;
+    # NOTES.md session 28)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o alone, but not for the backward's delta, so with it the delta pass runs instead of delta_from_output)
     "inference_value_precision": "bf16",  # ... of a forward without a backward, whose output alone reads them (None:

@@ -125,9 +125,10 @@ def cases(HQ, H, D, M):
     train_cs = config.CONFIG["train_chunk"] or cs  # the training forward, which keeps its logits for the backward
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
     local = {k: v for k, v in train[2].items() if k not in ("CK", "CV", "DCUM")}  # the carries: pointers
+    vprec = cf.value_precision(torch.bfloat16, training=False)  # the forward without a backward (inference)
     for prefetch in (0, 1, 2):  # CONFIG["fwd_prefetch"]
-        out.append((f"fwd block={auto} bf16x3/bf16x3 slots first, segment-local states, prefetch {prefetch}",
-                    cf._fwd_kernel, dict(local, KSEG=32, PREFETCH=prefetch), train[3], stages))
+        out.append((f"fwd block={auto} bf16x3/{vprec} slots first, segment-local states, prefetch {prefetch}",
+                    cf._fwd_kernel, dict(local, KSEG=32, PREFETCH=prefetch, VPREC=vprec), train[3], stages))
     cq = cf.fwd_block(G, train_cs)
     training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True,
                     PREFETCH=config.CONFIG["fwd_prefetch"])
