@@ -860,16 +860,18 @@ def fwd_block(G, cs):
     return cq
 
 
+def prefetchable(p: Prepared):
+    """Whether the kernels can issue L2 prefetches (`_prefetch_rows`) for these inputs: not under Triton's
+    interpreter (it has no inline PTX), and only where a key and a value row are powers of two of whole 128-byte
+    lines."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and all(d >= 64 and not d & (d - 1) for d in (p.D, p.DV))
+
+
 def fwd_prefetch(p: Prepared, segment):
     """The fused forward's PREFETCH: CONFIG["fwd_prefetch"] for a training forward and one with segment-local states
-    (the others, below 8K tokens, lost 0.004 ms per 4K forward with it on the H200: NOTES.md session 28); 0 under
-    Triton's interpreter (it has no inline PTX) and where a key or value row is not a power of two of whole
-    128-byte lines."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not (p.training or segment):
-        return 0
-    if any(d < 64 or d & (d - 1) for d in (p.D, p.DV)):
-        return 0
-    return CONFIG["fwd_prefetch"]
+    (the others, below 8K tokens, lost 0.004 ms per 4K forward with it on the H200: NOTES.md session 28), where
+    `prefetchable`; else 0."""
+    return CONFIG["fwd_prefetch"] if prefetchable(p) and (p.training or segment) else 0
 
 
 def fwd_warps(rows, dim):
