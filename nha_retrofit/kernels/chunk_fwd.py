@@ -390,7 +390,7 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _prefetch_rows(X, row_off, DX: tl.constexpr):
     """_prefetch_l2 of the rows of DX elements of X at the element offsets row_off (DX x X's element size a power
-    of two of at least 128 bytes: `fwd_prefetch`)."""
+    of two of at least 128 bytes: `prefetchable`)."""
     PER_LINE: tl.constexpr = 1024 // X.dtype.element_ty.primitive_bitwidth
     _prefetch_l2(X + (row_off[:, None] + tl.arange(0, DX // PER_LINE)[None, :] * PER_LINE))
 
