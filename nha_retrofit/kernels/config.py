@@ -105,10 +105,15 @@ CONFIG = {
     # (None: every state scanned, `slot_states`): one kernel walks each segment's chunks, stores the states local to
     # it and its end, a chained scan over the segments carries them, and the fused kernel adds the carry as it loads
     # a state (`local_slot_states`); the states cross DRAM once instead of three times. "auto": `state_segment`
-    # below, the longest segment of at most 32 chunks that leaves 16 segments, scanned whole below 16 chunks.
+    # below, the longest segment of at most state_segment_longest chunks that leaves 16 segments, scanned whole
+    # below 16 chunks.
     # On the H200 (inference forward), side by side: 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K
     # 3.56 -> 3.33, 8K 0.474 -> 0.449 at 16 (8: 0.458); from two tables (results/ops_h200.json at commits fe69b41 and
     # 9f65eb0, graph-replayed): 16K 0.92 -> 0.86, 8K 0.479 -> 0.482 and 4K 0.249 -> 0.292 at 32 (NOTES.md session 25)
+    "state_segment_longest": 64,  # the longest segment "auto" takes: 64 from 32K tokens on. On the H200, side by
+    # side with 32: 32K forward 1.583-1.584 against 1.586-1.596 ms, 64K 3.116-3.128 against 3.129-3.147 (three
+    # alternations, NOTES.md session 29); sessions 26 and 29 (call 2) agree: 1.671-1.678 against 1.677-1.687,
+    # 1.572 against 1.585-1.587
     "segment_update_slots": None,  # slots per program of the segment-local states' update walk (None: all M): the
     # slots' updates are independent, so 32 halves each program's tiles (255 -> fewer registers) and doubles the
     # programs (untimed; 32-slot tiles are where Triton 3.6 miscompiled other kernels on the H200, NOTES.md session 25)
@@ -148,7 +153,7 @@ FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of t
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "inference_value_precision", "fwd_min_slot_tile", "block_factor_limit",
     "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
-    "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch",
+    "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -188,6 +193,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "state_segment16": dict(state_segment=16),
     "state_segment32": dict(state_segment=32),
     "segment_update_slots32": dict(segment_update_slots=32),
+    "segment_longest32": dict(state_segment_longest=32),  # the default before session 29
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),
     "window_keys64": dict(window_dq_keys=64, window_dkv_keys=64),  # the default before session 22 (up to 64 rows)
@@ -228,13 +234,13 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
 
 def state_segment(nch):
     """Chunks per segment of the segment-local slot states (`local_slot_states`) of a forward of nch chunks, or None
-    to scan them whole: CONFIG["state_segment"], where "auto" takes the longest segment of at most 32 chunks that
-    leaves 16 segments (fewer segments walk too few programs: at 4K tokens 32-chunk segments made the forward slower
-    on the H200), scanned whole where that is under 16 chunks."""
+    to scan them whole: CONFIG["state_segment"], where "auto" takes the longest segment of at most
+    CONFIG["state_segment_longest"] chunks that leaves 16 segments (fewer segments walk too few programs: at 4K
+    tokens 32-chunk segments made the forward slower on the H200), scanned whole where that is under 16 chunks."""
     setting = CONFIG["state_segment"]
     if setting != "auto":
         return setting
-    segment = 32
+    segment = CONFIG["state_segment_longest"]
     while segment >= 16 and nch < 16 * segment:
         segment //= 2
     return segment if segment >= 16 else None

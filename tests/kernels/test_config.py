@@ -16,12 +16,15 @@ def test_config_variants_name_known_settings():
         config.variant_overrides("defaults+no_such_variant")
 
 
-@pytest.mark.parametrize("chunks,segment", [(1, None), (128, None), (255, None), (256, 16), (511, 16), (512, 32),
-                                            (1024, 32), (4096, 32)])
-def test_auto_state_segment_leaves_16_segments_of_16_or_32_chunks(chunks, segment, monkeypatch):
-    """"auto" (the default): the longest segment of at most 32 chunks that leaves 16 segments, none (the states
-    scanned whole) where that would be shorter than 16 chunks; a number is taken as given."""
+@pytest.mark.parametrize("longest,chunks,segment", [
+    (64, 1, None), (64, 128, None), (64, 255, None), (64, 256, 16), (64, 511, 16), (64, 512, 32), (64, 1023, 32),
+    (64, 1024, 64), (64, 4096, 64), (32, 1024, 32), (32, 4096, 32), (32, 512, 32), (32, 256, 16)])
+def test_auto_state_segment_leaves_16_segments_of_16_to_longest_chunks(longest, chunks, segment, monkeypatch):
+    """"auto" (the default): the longest segment of at most CONFIG["state_segment_longest"] chunks (64 by default) that
+    leaves 16 segments, none (the states scanned whole) where that would be shorter than 16 chunks; a number is taken
+    as given."""
     monkeypatch.setitem(config.CONFIG, "state_segment", "auto")
+    monkeypatch.setitem(config.CONFIG, "state_segment_longest", longest)
     assert config.state_segment(chunks) == segment
     monkeypatch.setitem(config.CONFIG, "state_segment", 3)
     assert config.state_segment(chunks) == 3
