@@ -58,8 +58,6 @@ CONFIG = {
     # warps were 0.2-0.3 ms faster per 32K step than 16 with 4 on the H200 (NOTES.md session 7); with the forward's
     # logits loaded (CONFIG["save_logits"]) 16 with 4 were 0.2 ms faster than 32 with 8 (session 17)
     "slot_bwd_rows_warps": 4,  # warps of its rows kernel (None: slot_bwd_warps)
-    "rows_prefetch": False,  # its rows kernel asks L2 at its start for the key state and the chunk's keys, which its
-    # dq pass reads last (`_prefetch_l2`, as the fused forward's fwd_prefetch; untimed)
     "slot_bwd_keys_warps": None,  # warps of its keys and keys_da kernels (None: slot_bwd_warps; with 8 and bf16x3
     # they spill 0 / 200 B instead of 384 / 1788 B in the register report; the rows kernel has its own setting)
     "slot_bwd_columns": (128, None),  # (columns, warps or None) per program of its state_grad and keys kernels
@@ -213,7 +211,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_rows8": dict(slot_bwd_rows_block=8, slot_bwd_rows_warps=4),
     "slot_bwd_rows8_2warps": dict(slot_bwd_rows_block=8, slot_bwd_rows_warps=2),
     "slot_bwd_rows16_8warps": dict(slot_bwd_rows_block=16, slot_bwd_rows_warps=8),
-    "rows_prefetch": dict(rows_prefetch=True),
     "slot_bwd_keys_block8": dict(slot_bwd_block=8, slot_bwd_rows_block=16),
     "slot_bwd_columns64": dict(slot_bwd_columns=None),
     "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),

@@ -173,10 +173,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
         rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
-                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), PREFETCH=False)
+                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16))
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
-                (f"slot bwd rows {tag}, prefetch", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True, PREFETCH=True),
-                 warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, stages),

@@ -48,9 +48,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (_block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay, _row_stats,
-                        _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched, prefetchable,
-                        scan_tile)
+                        _chunk_cumsum, _cumsum_row, _query_rows, _real, _row_decay, _row_stats, _token_strides, alloc,
+                        batch_strides, chained_scan, kv_states, launch, launched, scan_tile)
 from .config import CONFIG
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -308,7 +307,7 @@ def _rows_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, HAS_LOGITS: tl.constexpr,
-    DELTA_WHOLE: tl.constexpr, PREFETCH: tl.constexpr,
+    DELTA_WHOLE: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
     slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
@@ -328,9 +327,6 @@ def _rows_kernel(
         G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT)
     e_car = tl.exp(a_in + a_ref[None, :])
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
-    if PREFETCH:  # the key state and the chunk's keys, which `_slot_dq` reads last
-        _prefetch_rows(SK, st * M * D + offs_m * D, D)
-        _prefetch_rows(K, tl.where(jr, krow, b * sk_b), D)
 
     # the scaled logits (the forward's, or formed again) and dP, one side after the other
     if HAS_LOGITS:
@@ -737,7 +733,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
-        DELTA_WHOLE=delta_whole, PREFETCH=CONFIG["rows_prefetch"] and prefetchable(p), **rows_common,
+        DELTA_WHOLE=delta_whole, **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
