@@ -108,8 +108,8 @@ CONFIG = {
     # On the H200 (inference forward), side by side: 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K
     # 3.56 -> 3.33, 8K 0.474 -> 0.449 at 16 (8: 0.458); from two tables (results/ops_h200.json at commits fe69b41 and
     # 9f65eb0, graph-replayed): 16K 0.92 -> 0.86, 8K 0.479 -> 0.482 and 4K 0.249 -> 0.292 at 32 (NOTES.md session 25)
-    "state_segment_longest": 64,  # the longest segment "auto" takes: 64 from 32K tokens on. On the H200, side by
-    # side with 32: 32K forward 1.583-1.584 against 1.586-1.596 ms, 64K 3.116-3.128 against 3.129-3.147 (three
+    "state_segment_longest": 64,  # the longest segment "auto" takes: 64 from 1024 chunks on (32K tokens at 32-token
+    # chunks). On the H200, side by side with 32: 32K forward 1.583-1.584 against 1.586-1.596 ms, 64K 3.116-3.128 against 3.129-3.147 (three
     # alternations, NOTES.md session 29); sessions 26 and 29 (call 2) agree: 1.671-1.678 against 1.677-1.687,
     # 1.572 against 1.585-1.587
     "segment_update_slots": None,  # slots per program of the segment-local states' update walk (None: all M): the
