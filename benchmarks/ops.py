@@ -243,8 +243,8 @@ def parts(T=32768, w=64):
     return out
 
 
-def variants(lengths, names, w=64, decode=False, graphed=False):
-    """Time each CONFIG variant (forward and forward+backward; `graphed`: replayed from a CUDA graph, the GPU's own
+def variants(lengths, names, w=64, decode=False, graphed=False, modes=("fwd", "fwd+bwd")):
+    """Time each CONFIG variant (in `modes`: forward and forward+backward; `graphed`: replayed from a CUDA graph, the GPU's own
     time; with `decode` also the eager 28-layer decode step, for variants of the host side) side by side; returns
     records."""
     base = dict(config.CONFIG)
@@ -259,7 +259,7 @@ def variants(lengths, names, w=64, decode=False, graphed=False):
     for T in lengths:
         for name in names:
             overrides = use(name)
-            for mode in ("fwd", "fwd+bwd"):
+            for mode in modes:
                 if mode == "fwd" and overrides and not set(overrides) & config.FORWARD_KEYS:
                     continue  # the forward is the defaults': timed with forward+backward only
                 try:
@@ -296,6 +296,7 @@ def main():
                     "by side (or 'all')")
     ap.add_argument("--variant-lengths", default="8192,32768")
     ap.add_argument("--variant-window", type=int, default=64)
+    ap.add_argument("--variant-modes", default="fwd,fwd+bwd", help="what the variants time: fwd, fwd+bwd or both")
     ap.add_argument("--variant-heads", default=None, metavar="HQ,H,D",
                     help="query heads, kv heads and head dim of the variant timings (default 32,8,128)")
     ap.add_argument("--variant-decode", action="store_true", help="also time each variant's eager decode step")
@@ -353,7 +354,8 @@ def main():
             global HQ, H, D
             HQ, H, D = (int(x) for x in args.variant_heads.split(","))
         records += variants([int(x) for x in args.variant_lengths.split(",")], names, w=args.variant_window,
-                            decode=args.variant_decode, graphed=args.variant_graph)
+                            decode=args.variant_decode, graphed=args.variant_graph,
+                            modes=args.variant_modes.split(","))
     if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
         best = None
         for warps in (4, 8):
