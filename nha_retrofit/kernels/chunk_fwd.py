@@ -502,12 +502,13 @@ def _fwd_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    VPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
+    VPREC: tl.constexpr, KPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
     STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """o and the joint log-sum-exp of a block of query rows (module docstring); with STORE_LOGITS also the scaled
-    slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads instead
-    of forming them again. With ORES (a training forward in bf16/fp16) the weights' products with the input values
+    """o and the joint log-sum-exp of a block of query rows (module docstring; LSE None for a forward without a
+    backward: storing it cost 0.06 ms per 32K forward on the H200, NOTES.md session 30); with STORE_LOGITS also the
+    scaled slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads
+    instead of forming them again. With ORES (a training forward in bf16/fp16) the weights' products with the input values
     are split (`_weights_values`) and ORES gets o's rounding residual: o + ORES is the fp32 output, from which the
     backward takes delta = rowsum(dO * O). With CK (CV, DCUM, NSEG, KSEG) the states SK, SV are segment-local
     (`local_slot_states`): CK and CV hold the states before each segment of KSEG chunks."""
@@ -580,9 +581,12 @@ def _fwd_kernel(
         e_car = tl.exp(a_in + a_ref[None, :])  # <= 1
         # the same products as the slot backward's rows kernel, so its recomputed logits match this L
         qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, CK, ct, dcum, tv, jr, tl.arange(0, BDS), D, BDS, M,
-                                    MT, BR, CSZ, PREC, SPREC)
+                                    MT, BR, CSZ, PREC, KPREC)
         qk = tl.where(causal, qk, 0.0)
-        x_in = dot_f32(qk, kw, SPREC) * e_in
+        if KPREC == "bf16":  # the chunk tokens' key weights rounded to bf16, as the key state (qk split)
+            x_in = dot_xb(qk, kw, SPREC) * e_in
+        else:
+            x_in = dot_f32(qk, kw, SPREC) * e_in
         if direct:
             cum = tl.zeros([MT], dtype=tl.float32)
             for jj in range(CQB):
@@ -642,7 +646,8 @@ def _fwd_kernel(
         _store_rounded(O, ORES, o_off, BDS + cols, halves[1], tv)
     else:
         _store_rounded(O, ORES, o_off, offs_dv, out, tv)
-    tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
+    if LSE is not None:
+        tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
 
 
 def dot_precision(dtype):
@@ -659,6 +664,16 @@ def value_precision(dtype, training=True):
     backward cannot run CONFIG["inference_value_precision"] first (its output alone needs them)."""
     name = None if training else CONFIG["inference_value_precision"]
     return product_precision(name or CONFIG["value_precision"] or CONFIG["slot_precision"], dtype)
+
+
+def key_precision(dtype, training=True):
+    """KPREC of the fused kernel: the SPREC of the slot logits' product with the key state before the chunk (q . Sk^T),
+    as slot_precision, except for a forward whose backward cannot run, CONFIG["inference_key_precision"] first; with
+    "bf16" the chunk tokens' key weights are rounded to bf16 too (qk . kw, qk split). A backward needs these logits
+    near fp32-exact: with the key state so rounded the log_alpha gradient (a cancellation) erred 100x more (NOTES.md
+    session 30)."""
+    name = None if training else CONFIG["inference_key_precision"]
+    return product_precision(name or CONFIG["slot_precision"], dtype)
 
 
 def keeps_exact_output(dtype):
@@ -881,7 +896,7 @@ def fwd_warps(rows, dim):
 
 def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, keep_logits=False,
             exact_output=False):
-    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log), with slots what the slot backward can reuse:
+    """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log; None where no backward can run), with slots what the slot backward can reuse:
     (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and CONFIG["save_logits"], else
     None) the scaled slot logits before the bias [B, T, HQ, M] fp32; and o's rounding residual: with
     `exact_output` and bf16/fp16 inputs, o + residual is the fp32 output formed from unrounded weights (else
@@ -891,7 +906,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
-    lse = alloc(B, T, HQ, dtype=torch.float32, device=dev)
+    lse = alloc(B, T, HQ, dtype=torch.float32, device=dev) if p.training else None
     has_window = p.W > 0
     if filled0 is None:
         filled0 = constant((B,), 0, torch.int32, dev)
@@ -915,11 +930,12 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     launch(
         "fused forward", _fwd_kernel, grid,
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, ck, cv, dcum, o, residual, lse, logits if store_logits else lse, *batch_strides(p, o),
+        p.bias, sk, sv, ck, cv, dcum, o, residual, lse, logits, *batch_strides(p, o),
         T, p.W, p.nch, cdiv(p.nch, segment or 1), float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
-        VPREC=value_precision(p.q.dtype, p.training), BDS=min(64, D), LIMIT=CONFIG["block_factor_limit"],
+        VPREC=value_precision(p.q.dtype, p.training), KPREC=key_precision(p.q.dtype, p.training), BDS=min(64, D),
+        LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits, KSEG=segment or 1,
         PREFETCH=fwd_prefetch(p, segment),
         num_warps=warps, num_stages=CONFIG["num_stages"],

@@ -36,6 +36,11 @@ CONFIG = {
     # as value_precision): one MMA of the weights and the value state rounded to bf16, as flash attention's P . V.
     # On the H200 (side by side, NOTES.md session 28) 32K 1.626-1.632 -> 1.580 ms, 64K 3.20 -> 3.12, graph-replayed
     # 16K 0.835 -> 0.813, 4K 0.245 -> 0.236; TF32 1.66
+    "inference_key_precision": "bf16",  # the slot logits' product with the key state before the chunk, q . Sk^T, in
+    # a forward without a backward (None: as slot_precision): "bf16" rounds the state to bf16 for one MMA, as a bf16
+    # model stores its keys (q is exact in bf16), and the chunk tokens' key weights in their product with the split
+    # q . k. On the H200 side by side (NOTES.md session 30) 32K 1.572-1.581 -> 1.511-1.513 ms, 64K 3.11 -> 2.98; o's
+    # error against float64 unchanged on the GPU (2.31-2.35e-3), +0-0.6% under the interpreter's GPU roundings
     "fwd_min_slot_tile": 64,  # the fused kernel's slot tiles are at least this wide (padding slots masked):
     # with 16 or 32 slots, D = 64 and 3-4 query heads per kv head, Triton 3.6 miscompiled it on the H200
     # (compute-sanitizer: an out-of-bounds shared-memory read in a slot product; wrong output or a fault;
@@ -149,7 +154,8 @@ CONFIG = {
 
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
-    "fwd_slots_first", "value_precision", "inference_value_precision", "fwd_min_slot_tile", "block_factor_limit",
+    "fwd_slots_first", "value_precision", "inference_value_precision", "inference_key_precision", "fwd_min_slot_tile",
+    "block_factor_limit",
     "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
     "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
 }
@@ -158,6 +164,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "defaults": {},
     "values_tf32": dict(value_precision="tf32"),
     "inference_values_bf16x3": dict(inference_value_precision=None),  # the default before session 28
+    "inference_keys_bf16x3": dict(inference_key_precision=None),  # the default before session 30
     "fwd_tf32": dict(slot_precision="tf32"),  # timing only: log_alpha 1.1e-2 at T=4097 (NOTES.md, session 19)
     "bwd_tf32": dict(slot_bwd_precision="tf32"),  # timing only: fails the log_alpha bound (NOTES.md, session 13)
     "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),

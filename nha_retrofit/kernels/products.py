@@ -73,7 +73,7 @@ def dot_xb(a, b, SPREC: tl.constexpr):
     elif SPREC == "bf16x3":
         return dot_hilo(a, b.to(tl.bfloat16))
     else:
-        return tl.dot(a, b, input_precision=SPREC)
+        return dot_f32(a, b, SPREC)
 
 
 @triton.jit
@@ -87,4 +87,4 @@ def dot_xa(a, b, SPREC: tl.constexpr):
         bh, bl = _bf16_split(b)
         return tl.dot(aa, bh, tl.dot(aa, bl))
     else:
-        return tl.dot(a, b, input_precision=SPREC)
+        return dot_f32(a, b, SPREC)

@@ -114,7 +114,8 @@ def cases(HQ, H, D, M):
         warps = cf.fwd_warps(br, D)
         consts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, M=M, MT=max(M, config.CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=cs,
                       BR=br, BN=64 if br <= 64 else 32,
-                      HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, BDS=min(64, D),
+                      HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, KPREC=sprec,
+                      BDS=min(64, D),
                       LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
                       CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0)
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
@@ -126,9 +127,11 @@ def cases(HQ, H, D, M):
     train = [c for c in out if c[0] == f"fwd block={auto} bf16x3/bf16x3 slots first"][0]
     local = {k: v for k, v in train[2].items() if k not in ("CK", "CV", "DCUM")}  # the carries: pointers
     vprec = cf.value_precision(torch.bfloat16, training=False)  # the forward without a backward (inference)
+    kprec = cf.key_precision(torch.bfloat16, training=False)
     for prefetch in (0, 1, 2):  # CONFIG["fwd_prefetch"]
-        out.append((f"fwd block={auto} bf16x3/{vprec} slots first, segment-local states, prefetch {prefetch}",
-                    cf._fwd_kernel, dict(local, KSEG=32, PREFETCH=prefetch, VPREC=vprec), train[3], stages))
+        out.append((f"fwd block={auto} bf16x3/{vprec}, key state {kprec}, slots first, segment-local states, "
+                    f"prefetch {prefetch}", cf._fwd_kernel, dict(local, KSEG=32, PREFETCH=prefetch, VPREC=vprec,
+                                                                 KPREC=kprec, LSE=None), train[3], stages))
     cq = cf.fwd_block(G, train_cs)
     training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True,
                     PREFETCH=config.CONFIG["fwd_prefetch"])

@@ -124,7 +124,7 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
 
 @pytest.mark.parametrize("overrides", [dict(state_segment="auto"), dict(state_segment=32), dict(state_segment=3),
                                        dict(state_segment=None), dict(state_segment=32, segment_update_slots=32),
-                                       dict(state_segment=64)],
+                                       dict(state_segment=64), dict(inference_key_precision=None)],
                          ids=lambda o: "+".join(f"{k}_{v}" for k, v in o.items()))
 @pytest.mark.parametrize("combo", [
     (4097, 32, 8, 128, 64, 64, torch.bfloat16, 2), (2500, 9, 3, 64, 32, 5, torch.float32, 2),
