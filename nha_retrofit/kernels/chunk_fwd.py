@@ -638,6 +638,8 @@ def _fwd_kernel(
     l_safe = tl.where(ok, l_i, 1.0)
     out = tl.where(ok[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(ok, m_i + tl.log(l_safe), float("inf"))
+    if LSE is not None:  # before o: 0.01-0.03 ms less per 32K training step (NOTES.md session 30)
+        tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
     o_off = b * so_b + t.to(tl.int64) * so_t + hq * DV
     if SPLIT and DV == 2 * BDS:  # o and its residual by column halves (fewer live registers)
         halves = _column_halves(out, BR, BDS)
@@ -646,8 +648,6 @@ def _fwd_kernel(
         _store_rounded(O, ORES, o_off, BDS + cols, halves[1], tv)
     else:
         _store_rounded(O, ORES, o_off, offs_dv, out, tv)
-    if LSE is not None:
-        tl.store(LSE + (b * T + t).to(tl.int64) * HQ + hq, lse, mask=tv)
 
 
 def dot_precision(dtype):
