@@ -49,6 +49,10 @@ CONFIG = {
     # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
     "slot_bwd_precision": "bf16x3",  # fp32 products of the slot backward (products.py; bf16x3 was 4.6 ms faster
     # than tf32x3 per 32K step on the H200)
+    "slot_bwd_grad_precision": None,  # the slot backward's products that form only dq, dk and dv (None: as
+    # slot_bwd_precision): "bf16" rounds their fp32 operands (the gradient weights dl and P, the states and the state
+    # gradients) to bf16 for one MMA each, as flash attention's backward rounds dS and P; the logits, dP, E, UV and
+    # the state gradients keep bf16x3 (the log_alpha and slot_bias gradients are cancellations)
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
@@ -114,9 +118,9 @@ CONFIG = {
     # 3.56 -> 3.33, 8K 0.474 -> 0.449 at 16 (8: 0.458); from two tables (results/ops_h200.json at commits fe69b41 and
     # 9f65eb0, graph-replayed): 16K 0.92 -> 0.86, 8K 0.479 -> 0.482 and 4K 0.249 -> 0.292 at 32 (NOTES.md session 25)
     "state_segment_longest": 64,  # the longest segment "auto" takes: 64 from 1024 chunks on (32K tokens at 32-token
-    # chunks). On the H200, side by side with 32: 32K forward 1.583-1.584 against 1.586-1.596 ms, 64K 3.116-3.128 against 3.129-3.147 (three
-    # alternations, NOTES.md session 29); sessions 26 and 29 (call 2) agree: 1.671-1.678 against 1.677-1.687,
-    # 1.572 against 1.585-1.587
+    # chunks). On the H200, side by side with 32: 32K forward 1.583-1.584 against 1.586-1.596 ms, 64K 3.116-3.128
+    # against 3.129-3.147 (three alternations, NOTES.md session 29); sessions 26 and 29 (call 2) agree: 1.671-1.678
+    # against 1.677-1.687, 1.572 against 1.585-1.587
     "segment_update_slots": None,  # slots per program of the segment-local states' update walk (None: all M): the
     # slots' updates are independent, so 32 halves each program's tiles (255 -> fewer registers) and doubles the
     # programs (untimed; 32-slot tiles are where Triton 3.6 miscompiled other kernels on the H200, NOTES.md session 25)
@@ -170,6 +174,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
     "fwd_tf32x3": dict(slot_precision="tf32x3"),
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
+    "bwd_grads_bf16": dict(slot_bwd_grad_precision="bf16"),
     "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
     "fwd_block8": dict(fwd_block=8),
     "fwd_block16": dict(fwd_block=16),

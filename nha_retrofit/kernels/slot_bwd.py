@@ -40,7 +40,7 @@ are stored without decay factors.
 fp32 products use CONFIG["slot_bwd_precision"] (products.py; three bf16 MMAs on hi/lo splits by default,
 3xTF32 below 64 slots: plain TF32 broke the log_alpha gradient, NOTES.md v2), with one MMA fewer where one
 operand is an upcast input (`dot_xa`, `dot_xb`). Products of two bf16/fp16 operands are exact in fp32
-accumulation.
+accumulation. The products whose only use is dq, dk or dv take `gradient_precision` (CONFIG["slot_bwd_grad_precision"]).
 """
 
 import torch
@@ -277,13 +277,13 @@ def _block_chunk(G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_
 @triton.jit
 def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
-             CSZ: tl.constexpr, SPREC: tl.constexpr):
+             CSZ: tl.constexpr, GPREC: tl.constexpr):
     """dq (slot part) of the block's rows from their weights wk = scale dl: wk e^(a_u) . Sk (the state before the
-    chunk) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes."""
+    chunk) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes, products at GPREC."""
     offs_u = tl.arange(0, CSZ)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
-    bk = tl.where(causal, dot_f32(wk * tl.exp(a_in), tl.trans(kw), SPREC), 0.0)
+    bk = tl.where(causal, dot_f32(wk * tl.exp(a_in), tl.trans(kw), GPREC), 0.0)
     if direct:
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
@@ -294,7 +294,7 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow,
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
-        dq = dot_f32(wc, skd, SPREC) + dot_xb(bk, kd.to(tl.float32), SPREC)
+        dq = dot_f32(wc, skd, GPREC) + dot_xb(bk, kd.to(tl.float32), GPREC)
         tl.store(DQ + row[:, None] + d0 + offs_c[None, :], dq.to(DQ.dtype.element_ty), mask=tv[:, None])
 
 
@@ -307,7 +307,7 @@ def _rows_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, HAS_LOGITS: tl.constexpr,
-    DELTA_WHOLE: tl.constexpr,
+    DELTA_WHOLE: tl.constexpr, GPREC: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
     slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
@@ -357,7 +357,7 @@ def _rows_kernel(
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
-             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, SPREC)
+             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, GPREC)
 
 
 @triton.jit
@@ -481,6 +481,13 @@ def slot_bwd_precision(dtype, slots):
     return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
 
 
+def gradient_precision(sprec):
+    """GPREC: the SPREC of the products that form only dq, dk and dv (not the logits, dP, E, UV or the state
+    gradients, which log_alpha's and slot_bias's gradients, cancellations, need near fp32-exact), given the others'
+    `sprec`: CONFIG["slot_bwd_grad_precision"] where they are bf16x3, else the same."""
+    return (CONFIG["slot_bwd_grad_precision"] or sprec) if sprec == "bf16x3" else sprec
+
+
 @triton.jit
 def _alpha_grad_kernel(DA, XA, LATER, MASK, DLA, sd_b, T, W, NCH, L,
                        H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr, BM: tl.constexpr):
@@ -577,7 +584,7 @@ def _keys_kernel(
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-    DO_K: tl.constexpr, DO_V: tl.constexpr, LIMIT: tl.constexpr,
+    DO_K: tl.constexpr, DO_V: tl.constexpr, LIMIT: tl.constexpr, GPREC: tl.constexpr,
 ):
     """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
     dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
@@ -591,18 +598,19 @@ def _keys_kernel(
     acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
     acc_v = tl.zeros([CSZ, BD], dtype=tl.float32)
     if DO_K:
-        acc_k = dot_f32(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]), SPREC)
+        acc_k = dot_f32(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]), GPREC)
     if DO_V:
-        acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), SPREC)
+        acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), GPREC)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
             G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
-            CSZ, SPREC, LIMIT, DO_K, DO_V)
+            CSZ, GPREC, LIMIT, DO_K, DO_V)
         if DO_K:
-            acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
+            acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), GPREC)
         if DO_V:
-            acc_v += dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32), SPREC)
+            acc_v += dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32),
+                            GPREC)
     if DO_K:
         _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
         _store_tail(DK, None, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
@@ -618,7 +626,7 @@ def _keys_merged_kernel(
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
     CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    LIMIT: tl.constexpr,
+    LIMIT: tl.constexpr, GPREC: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
@@ -631,8 +639,8 @@ def _keys_merged_kernel(
     state = (pid_bh.to(tl.int64) * NCH + c) * M * D + offs_m[:, None] * D + offs_c[None, :]
     rk = tl.load(RK + state)
     rv = tl.load(RV + state)
-    acc_k = dot_f32(to_end, rk, SPREC)
-    acc_v = dot_f32(to_end, rv, SPREC)
+    acc_k = dot_f32(to_end, rk, GPREC)
+    acc_v = dot_f32(to_end, rv, GPREC)
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     kc = tl.load(K + krow[:, None] + offs_c[None, :], mask=jr[:, None], other=0.0)
@@ -644,13 +652,13 @@ def _keys_merged_kernel(
         off = blk * CQB
         t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
             G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
-            SPREC, LIMIT, True, True)
+            GPREC, LIMIT, True, True)
         qb = _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c)
-        acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), SPREC)
+        acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(kc, tl.trans(qb), input_precision=PREC), wk, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
                           off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
         dob = _load_rows(DO, b, t, hq, tv, so_b, so_t, D, offs_c)
-        acc_v += dot_xb(tl.trans(bv), dob.to(tl.float32), SPREC)
+        acc_v += dot_xb(tl.trans(bv), dob.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(vc, tl.trans(dob), input_precision=PREC), wv, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
                           off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
     _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
@@ -711,6 +719,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     assert CS % bq == 0 and CS % rows_bq == 0, "the slot backward's blocks must divide the chunk"
     bd_ = min(BD, D, DV)
     sprec = slot_bwd_precision(p.q.dtype, p.M)
+    gprec = gradient_precision(sprec)
     dq = alloc(B, T, HQ, D, dtype=p.q.dtype, device=dev)
     dbr = alloc(B, T, HQ, dtype=f32, device=dev)
     E = alloc(B, H, L, M, dtype=f32, device=dev)
@@ -733,7 +742,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
-        DELTA_WHOLE=delta_whole, **rows_common,
+        DELTA_WHOLE=delta_whole, GPREC=gprec, **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
@@ -767,14 +776,15 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             "slot bwd keys merged", _keys_merged_kernel, (n, B * H),
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dv_window if fold else None,
             dA, xa, totals,
-            *strides, T, W, n, L, D=D, PREC=p.prec, **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
+            *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gprec,
+            **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
         for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:
             launch(
                 "slot bwd keys", _keys_kernel, (n, B * H, dx // cols),
                 p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *strides, T, W, n,
-                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **keys_launch,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, GPREC=gprec, **keys_launch,
             )
         da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
         launch(
