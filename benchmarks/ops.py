@@ -244,9 +244,9 @@ def parts(T=32768, w=64):
 
 
 def variants(lengths, names, w=64, decode=False, graphed=False, modes=("fwd", "fwd+bwd")):
-    """Time each CONFIG variant (in `modes`: forward and forward+backward; `graphed`: replayed from a CUDA graph, the GPU's own
-    time; with `decode` also the eager 28-layer decode step, for variants of the host side) side by side; returns
-    records."""
+    """Time each CONFIG variant (in `modes`: forward and forward+backward; `graphed`: replayed from a CUDA graph, the
+    GPU's own time; with `decode` also the eager 28-layer decode step, for variants of the host side) side by side;
+    returns records."""
     base = dict(config.CONFIG)
     records = []
 
