@@ -173,11 +173,12 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     out = []
     for bq, warps, sprec in launches:
         common = constants(bq, sprec, 64)
-        grads = dict(GPREC=slot_bwd.gradient_precision(sprec))  # the rows and keys kernels' dq, dk, dv products
+        rows_grads = dict(GPREC=slot_bwd.gradient_precision("rows", sprec))  # their dq, dk, dv products
+        grads = dict(GPREC=slot_bwd.gradient_precision("keys", sprec))
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
         rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
-                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), **grads)
+                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), **rows_grads)
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),
@@ -191,7 +192,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
     bq, _, sprec = launches[0]
     common = constants(bq, sprec, 128)
-    grads = dict(GPREC=slot_bwd.gradient_precision(sprec))
+    grads = dict(GPREC=slot_bwd.gradient_precision("keys", sprec))
     stages = slot_bwd.pipeline_stages(common["BR"], D)
     for warps in (4, 8):
         tag = f"block={bq} {sprec} columns={min(128, D)}"

@@ -481,11 +481,12 @@ def slot_bwd_precision(dtype, slots):
     return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
 
 
-def gradient_precision(sprec):
-    """GPREC: the SPREC of the products that form only dq, dk and dv (not the logits, dP, E, UV or the state
-    gradients, which log_alpha's and slot_bias's gradients, cancellations, need near fp32-exact), given the others'
-    `sprec`: CONFIG["slot_bwd_grad_precision"] where they are bf16x3, else the same."""
-    return (CONFIG["slot_bwd_grad_precision"] or sprec) if sprec == "bf16x3" else sprec
+def gradient_precision(kernel, sprec):
+    """GPREC of the slot backward's `kernel` ("rows" or "keys"): the SPREC of its products that form only dq, or dk
+    and dv (not the logits, dP, E, UV or the state gradients, which log_alpha's and slot_bias's gradients,
+    cancellations, need near fp32-exact), given the others' `sprec`: CONFIG["slot_bwd_grad_precision"][kernel] where
+    they are bf16x3, else the same."""
+    return CONFIG["slot_bwd_grad_precision"].get(kernel, sprec) if sprec == "bf16x3" else sprec
 
 
 @triton.jit
@@ -719,7 +720,6 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     assert CS % bq == 0 and CS % rows_bq == 0, "the slot backward's blocks must divide the chunk"
     bd_ = min(BD, D, DV)
     sprec = slot_bwd_precision(p.q.dtype, p.M)
-    gprec = gradient_precision(sprec)
     dq = alloc(B, T, HQ, D, dtype=p.q.dtype, device=dev)
     dbr = alloc(B, T, HQ, dtype=f32, device=dev)
     E = alloc(B, H, L, M, dtype=f32, device=dev)
@@ -742,7 +742,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
-        DELTA_WHOLE=delta_whole, GPREC=gprec, **rows_common,
+        DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
@@ -776,7 +776,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             "slot bwd keys merged", _keys_merged_kernel, (n, B * H),
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dv_window if fold else None,
             dA, xa, totals,
-            *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gprec,
+            *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
             **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
@@ -784,7 +784,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             launch(
                 "slot bwd keys", _keys_kernel, (n, B * H, dx // cols),
                 p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *strides, T, W, n,
-                D=D, DV=DV, DO_K=do_k, DO_V=do_v, GPREC=gprec, **keys_launch,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, GPREC=gradient_precision("keys", sprec), **keys_launch,
             )
         da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
         launch(
