@@ -173,8 +173,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     out = []
     for bq, warps, sprec in launches:
         common = constants(bq, sprec, 64)
-        rows_grads = dict(GPREC=slot_bwd.gradient_precision("rows", sprec))  # their dq, dk, dv products
-        grads = dict(GPREC=slot_bwd.gradient_precision("keys", sprec))
+        rows_grads = dict(GPREC=slot_bwd.gradient_precision("rows", sprec))  # the products that form only dq
+        keys = dict(common, SPREC=slot_bwd.gradient_precision("keys", sprec))  # its products form only dk and dv
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
         rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
@@ -184,25 +184,26 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  stages),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, stages),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
-                 dict(common, **grads, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
+                 dict(keys, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,
-                 dict(common, **grads, D=D, DV=D, DO_K=True, DO_V=False), warps, stages),
+                 dict(keys, D=D, DV=D, DO_K=True, DO_V=False), warps, stages),
                 (f"slot bwd keys_da {tag}", slot_bwd._keys_da_kernel,
                  dict(common, D=D, DV=D, PREC="tf32", BM=min(M, config.CONFIG["keys_da_slots"] or M)), warps, stages)]
     # the column-split kernels over all columns of D = 128 in one program (CONFIG["slot_bwd_columns"])
     bq, _, sprec = launches[0]
     common = constants(bq, sprec, 128)
     grads = dict(GPREC=slot_bwd.gradient_precision("keys", sprec))
+    keys = dict(common, SPREC=grads["GPREC"])
     stages = slot_bwd.pipeline_stages(common["BR"], D)
     for warps in (4, 8):
         tag = f"block={bq} {sprec} columns={min(128, D)}"
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, stages),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
-                 dict(common, **grads, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
+                 dict(keys, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,  # CONFIG["slot_bwd_merge_keys"] False
-                 dict(common, **grads, D=D, DV=D, DO_K=True, DO_V=False), warps, stages),
+                 dict(keys, D=D, DV=D, DO_K=True, DO_V=False), warps, stages),
                 (f"slot bwd keys (dv only) {tag}", slot_bwd._keys_kernel,
-                 dict(common, **grads, D=D, DV=D, DO_K=False, DO_V=True), warps, stages),
+                 dict(keys, D=D, DV=D, DO_K=False, DO_V=True), warps, stages),
                 # CONFIG["slot_bwd_keys_merged_warps"]
                 (f"slot bwd keys + keys_da merged {tag}", slot_bwd._keys_merged_kernel,
                  dict(common, **grads, D=D, PREC="tf32"), warps, stages)]

@@ -585,12 +585,12 @@ def _keys_kernel(
     T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-    DO_K: tl.constexpr, DO_V: tl.constexpr, LIMIT: tl.constexpr, GPREC: tl.constexpr,
+    DO_K: tl.constexpr, DO_V: tl.constexpr, LIMIT: tl.constexpr,
 ):
     """Columns cols = BD * program axis 2 of dk (DO_K) and dv (DO_V) for the chunk's tokens:
     dX[j, cols] = sum_i to_end[j, i] R[i, cols] + sum_u (W_u kw^T)[u, j] Y_u[cols], (Y, W, R) = (q, Wk, Rk) for
     dk and (dO, Wv, Rv) for dv (both in one pass over the row blocks when DO_K and DO_V). DK, DV_: the layouts of
-    k and v."""
+    k and v. Its products form only dk and dv: SPREC is the `gradient_precision` of "keys"."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
@@ -599,19 +599,19 @@ def _keys_kernel(
     acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
     acc_v = tl.zeros([CSZ, BD], dtype=tl.float32)
     if DO_K:
-        acc_k = dot_f32(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]), GPREC)
+        acc_k = dot_f32(to_end, tl.load(RK + cidx * M * D + offs_m[:, None] * D + offs_c[None, :]), SPREC)
     if DO_V:
-        acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), GPREC)
+        acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), SPREC)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
         t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
             G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
-            CSZ, GPREC, LIMIT, DO_K, DO_V)
+            CSZ, SPREC, LIMIT, DO_K, DO_V)
         if DO_K:
-            acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), GPREC)
+            acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
             acc_v += dot_xb(tl.trans(bv), _load_rows(DO, b, t, hq, tv, so_b, so_t, DV, offs_c).to(tl.float32),
-                            GPREC)
+                            SPREC)
     if DO_K:
         _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
         _store_tail(DK, None, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
@@ -784,7 +784,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             launch(
                 "slot bwd keys", _keys_kernel, (n, B * H, dx // cols),
                 p.q, do, wk, wv, rk, rv, p.log_alpha, p.mask, dk, dv, *strides, T, W, n,
-                D=D, DV=DV, DO_K=do_k, DO_V=do_v, GPREC=gradient_precision("keys", sprec), **keys_launch,
+                D=D, DV=DV, DO_K=do_k, DO_V=do_v, **dict(keys_launch, SPREC=gradient_precision("keys", sprec)),
             )
         da_launch = rows_common if CONFIG["keys_da_rows_block"] else keys_common  # (the rows kernel's blocks)
         launch(
