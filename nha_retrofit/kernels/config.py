@@ -49,11 +49,12 @@ CONFIG = {
     # in the factored matrix product; harder blocks walk them with direct weights (0: always direct)
     "slot_bwd_precision": "bf16x3",  # fp32 products of the slot backward (products.py; bf16x3 was 4.6 ms faster
     # than tf32x3 per 32K step on the H200)
-    "slot_bwd_grad_precision": {},  # per slot-backward kernel ("rows": dq, "keys": dk and dv), the precision of its
-    # products that form only those gradients (absent: as slot_bwd_precision): "bf16" rounds their fp32 operands (the
-    # gradient weights dl and P, the states and the state gradients) to bf16 for one MMA each, as flash attention's
-    # backward rounds dS and P; the logits, dP, E, UV and the state gradients keep bf16x3 (the log_alpha and
-    # slot_bias gradients are cancellations). Untimed (NOTES.md session 30)
+    "slot_bwd_grad_precision": {"rows": "bf16", "keys": "bf16"},  # per slot-backward kernel ("rows": dq, "keys": dk
+    # and dv), the precision of its products that form only those gradients (absent: as slot_bwd_precision): "bf16"
+    # rounds their fp32 operands (the gradient weights dl and P, the states and the state gradients) to bf16 for one
+    # MMA each, as flash attention's backward rounds dS and P; the logits, dP, E, UV and the state gradients keep
+    # bf16x3 (the log_alpha and slot_bias gradients are cancellations). On the H200 side by side (NOTES.md session
+    # 31) the 32K step 7.106-7.121 -> 6.835-6.879 ms (rows only 7.01, keys only 6.98-6.99)
     "slot_bwd_block": None,  # tokens per row block of the slot backward (None: slot_bwd.BQ = 16)
     "slot_bwd_warps": 4,  # warps of the slot backward kernels (4 was 4.0 ms faster than 8 at 32K on the H200,
     # despite more register spills)
@@ -175,9 +176,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "tf32x3": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3"),
     "fwd_tf32x3": dict(slot_precision="tf32x3"),
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
-    "bwd_grads_bf16": dict(slot_bwd_grad_precision={"rows": "bf16", "keys": "bf16"}),
-    "bwd_grads_bf16_rows": dict(slot_bwd_grad_precision={"rows": "bf16"}),
-    "bwd_grads_bf16_keys": dict(slot_bwd_grad_precision={"keys": "bf16"}),
+    "bwd_grads_bf16x3": dict(slot_bwd_grad_precision={}),  # the default before session 31
+    "bwd_grads_bf16x3_rows": dict(slot_bwd_grad_precision={"keys": "bf16"}),  # only the rows kernel's in bf16x3
     "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
     "fwd_block8": dict(fwd_block=8),
     "fwd_block16": dict(fwd_block=16),
