@@ -12,7 +12,14 @@ step's growing mask stride, another sequence length) reuses its kernel as Triton
 
 A signature seen for the first time goes through Triton's own path, which compiles or finds the kernel; so does
 every launch under the CPU interpreter, and while a launch hook is set (profilers such as proton use them).
+
+A launch whose kernel needs more shared memory than the device has runs with one software-pipelining stage fewer
+(down to 1; the same results, slower): each stage holds another copy of a loop's tiles in shared memory, and how
+much depends on the compiler (Triton 3.6 gave the merged slot-backward key kernel 240 KB at 64-token chunks, over
+the H200's 227 KB, where Triton 3.9 needed 104 KB), so the launch settings cannot rule it out beforehand.
 """
+
+import logging
 
 import torch
 import triton
@@ -21,6 +28,10 @@ try:
     from triton.compiler.compiler import CompiledKernel
 except ImportError:  # pragma: no cover - a Triton without it takes the plain path
     CompiledKernel = None
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover
+    OutOfResources = ()
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton calls: a Stream object costs ~20 us
 if _raw_stream is None:  # pragma: no cover
@@ -30,6 +41,7 @@ if _raw_stream is None:  # pragma: no cover
 MAX_SIGNATURES = 1024  # per process; past it the cache starts over (training with many sequence lengths)
 _compiled = {}
 _constexpr_positions = {}  # kernel -> the positions of its constexpr parameters (keyed by value when positional)
+_stages_that_fit = {}  # (kernel, keyword arguments) -> the num_stages its launches take instead of the asked-for
 
 
 def cdiv(a, b):
@@ -67,16 +79,38 @@ def _hooked():
     return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
+def _fitting(kernel, grid, args, kwargs):
+    """(kernel[grid](*args, **kwargs), the keyword arguments it ran with): one pipelining stage fewer while it needs
+    more shared memory than the device has, remembered for the later launches with these keyword arguments."""
+    asked = kwargs
+    while True:
+        try:
+            return kernel[grid](*args, **kwargs), kwargs
+        except OutOfResources as exc:
+            stages = kwargs.get("num_stages", 1)
+            if exc.name != "shared memory" or stages <= 1:
+                raise
+            kwargs = dict(kwargs, num_stages=stages - 1)
+            _stages_that_fit[(kernel, tuple(asked.items()))] = stages - 1
+            logging.getLogger(__name__).info("%s: %s; launched with %d stages", getattr(kernel, "__name__", kernel),
+                                             exc, stages - 1)
+
+
 def launch(kernel, grid, *args, fast=True, **kwargs):
     """kernel[grid](*args, **kwargs), through the kept compiled kernel when `fast` and its signature was seen."""
+    if _stages_that_fit:  # (empty unless a launch overflowed the shared memory)
+        stages = _stages_that_fit.get((kernel, tuple(kwargs.items())))
+        kwargs = kwargs if stages is None else dict(kwargs, num_stages=stages)
     if not fast or CompiledKernel is None or not torch.cuda.is_available() or _hooked():
-        kernel[grid](*args, **kwargs)
+        _fitting(kernel, grid, args, kwargs)
         return
     device = torch.cuda.current_device()
     key = _signature(kernel, device, args, kwargs)
     entry = _compiled.get(key)
     if entry is None:
-        compiled = kernel[grid](*args, **kwargs)
+        compiled, ran = _fitting(kernel, grid, args, kwargs)
+        if ran is not kwargs:  # (with fewer stages: the key later launches find after `_stages_that_fit`)
+            kwargs, key = ran, _signature(kernel, device, args, ran)
         names = kernel.arg_names[len(args):]
         complete = all(name in kwargs for name in names)  # (a parameter left to its default: the plain path)
         if isinstance(compiled, CompiledKernel) and complete:

@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from nha_retrofit.kernels import fast_launch  # noqa: E402
 
@@ -45,12 +46,31 @@ class Kernel:
         return call
 
 
+class SmallSharedMemory(Kernel):
+    """A stand-in whose launches with more than `fits` pipelining stages overflow the shared memory (`resource`)."""
+
+    def __init__(self, fits, resource="shared memory"):
+        super().__init__()
+        self.fits, self.resource, self.overflows = fits, resource, []
+
+    def __getitem__(self, grid):
+        call = super().__getitem__(grid)
+
+        def fitting(*args, **kwargs):
+            if kwargs["num_stages"] > self.fits:
+                self.overflows.append(kwargs["num_stages"])
+                raise OutOfResources(245760, 232448, self.resource)
+            return call(*args, **kwargs)
+        return fitting
+
+
 @pytest.fixture
 def cache(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
     monkeypatch.setattr(fast_launch, "_compiled", {})
+    monkeypatch.setattr(fast_launch, "_stages_that_fit", {})
     return fast_launch._compiled
 
 
@@ -103,6 +123,26 @@ def test_triton_path_when_off_hooked_or_a_default_is_used(cache, monkeypatch):
     for _ in range(2):
         fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16)
     assert len(kernel.plain) == 6 and not cache
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_launch_over_the_shared_memory_takes_fewer_stages_once(cache, fast):
+    kernel = SmallSharedMemory(fits=1)
+    x = torch.randn(64)
+    for _ in range(3):
+        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16, num_stages=3, fast=fast)
+    assert kernel.overflows == [3, 2]  # then remembered: no later launch tries 3 or 2 stages again
+    assert [call[2]["num_stages"] for call in kernel.plain] == ([1] if fast else [1, 1, 1])
+    fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=32, num_stages=2, fast=fast)  # other constexprs: tried anew
+    assert kernel.overflows == [3, 2, 2] and kernel.plain[-1][2] == dict(BLOCK=32, num_stages=1)
+
+
+@pytest.mark.parametrize("resource,stages", [("registers", 3), ("shared memory", 1)])
+def test_other_resources_or_one_stage_still_fail(cache, resource, stages):
+    kernel = SmallSharedMemory(fits=0, resource=resource)
+    with pytest.raises(OutOfResources):
+        fast_launch.launch(kernel, (1,), torch.randn(64), 7, 0.5, BLOCK=16, num_stages=stages)
+    assert kernel.overflows == ([3] if resource == "registers" else [1])
 
 
 def test_the_cache_starts_over_when_full(cache, monkeypatch):
