@@ -7,6 +7,11 @@ With --sass also each kernel's static instruction mix (nvdisasm, bundled too): i
 against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills (LDL, STL),
 which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17).
 
+Every pointer and integer argument counts as divisible by 16, as at T = 32768, where Triton pipelines more loads
+through shared memory. The figures depend on the Triton version: run it under the GPU machine's (3.6), e.g. in a
+venv with `pip install torch==2.13.0 triton==3.6.0 transformers numpy`; under Triton 3.9 the merged key kernel
+reports 772 B of spills and 104 KB where 3.6 gives 188 B and 120 KB (NOTES.md, session 31).
+
     python -m nha_retrofit.kernels.regreport [--quick] [--slot-bwd] [--sass] [--match TEXT]
 """
 
@@ -48,8 +53,13 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, 
     ptrs = dict(POINTERS, **(pointers or {}))
     floats = ("scale", "inv_tau")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
+    # as a launch at T = 32768 specializes them: every pointer and integer divisible by 16 (without it Triton does
+    # not pipeline the loads into shared memory: the merged key kernel at 64-token chunks reported 104 KB where the
+    # H200 launch needed 240)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitfn.arg_names) if sig[n] != "constexpr"
+               and sig[n] != "fp32"}
     try:
-        kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts)),
+        kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts), attrs=aligned),
                                 target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=num_warps, num_stages=num_stages,
                                              **({"maxnreg": maxnreg} if maxnreg else {})))
