@@ -230,6 +230,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "slot_bwd_columns64": dict(slot_bwd_columns=None),
     "slot_bwd_columns128_8warps": dict(slot_bwd_columns=(128, 8)),
     "slot_bwd_stages1": dict(slot_bwd_stages=1),  # the default before session 20
+    "slot_bwd_stages3": dict(slot_bwd_stages=3),  # 32K step 7.03 against 6.83 (NOTES.md session 31)
     "slot_bwd_split_keys": dict(slot_bwd_merge_keys=False),
     "keys_da_32slots": dict(keys_da_slots=32),
     "keys_da_8warps": dict(slot_bwd_keys_warps=8, slot_bwd_columns=(128, 4), slot_bwd_keys_merged_warps=None),
