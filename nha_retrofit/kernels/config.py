@@ -161,8 +161,7 @@ CONFIG = {
 FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of them changes only the backward)
     "chunk", "num_warps_64", "num_warps_128", "num_stages", "slot_precision", "fwd_block", "fwd_rows",
     "fwd_slots_first", "value_precision", "inference_value_precision", "inference_key_precision", "fwd_min_slot_tile",
-    "block_factor_limit",
-    "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
+    "block_factor_limit", "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits", "maskless",
     "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
 }
 
@@ -178,6 +177,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "bwd_tf32x3": dict(slot_bwd_precision="tf32x3"),
     "bwd_grads_bf16x3": dict(slot_bwd_grad_precision={}),  # the default before session 31
     "bwd_grads_bf16x3_rows": dict(slot_bwd_grad_precision={"keys": "bf16"}),  # only the rows kernel's in bf16x3
+    "bwd_grads_bf16x3_keys": dict(slot_bwd_grad_precision={"rows": "bf16"}),  # only the key kernels' in bf16x3
     "tf32x3_window_first": dict(slot_precision="tf32x3", slot_bwd_precision="tf32x3", fwd_slots_first=False),
     "fwd_block8": dict(fwd_block=8),
     "fwd_block16": dict(fwd_block=16),
@@ -238,6 +238,9 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_separate": dict(slot_bwd_keys_merged_warps=None),  # the keys and keys_da kernels (before session 14)
     "keys_merged_4warps": dict(slot_bwd_keys_merged_warps=4),
     "state_grad_cap168": dict(slot_bwd_maxnreg={"state_grad": 168}),  # the default before session 25
+    "rows_cap168": dict(slot_bwd_maxnreg={"rows": 168}),  # 32K step 7.37-7.40 against 6.84 (NOTES.md session 31)
+    "keys_cap128": dict(slot_bwd_maxnreg={"keys": 128}),  # 7.97-8.00
+    "keys_cap168_4warps": dict(slot_bwd_maxnreg={"keys": 168}, slot_bwd_keys_merged_warps=4),  # 9.09-9.13
     "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
     "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23

@@ -56,8 +56,8 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, 
     # as a launch at T = 32768 specializes them: every pointer and integer divisible by 16 (without it Triton does
     # not pipeline the loads into shared memory: the merged key kernel at 64-token chunks reported 104 KB where the
     # H200 launch needed 240)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitfn.arg_names) if sig[n] != "constexpr"
-               and sig[n] != "fp32"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jitfn.arg_names)
+               if sig[n] not in ("constexpr", "fp32")}
     try:
         kernel = triton.compile(ASTSource(fn=jitfn, signature=sig, constexprs=dict(consts), attrs=aligned),
                                 target=GPUTarget("cuda", 90, 32),
