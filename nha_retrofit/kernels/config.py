@@ -147,6 +147,9 @@ CONFIG = {
     # kernel runs on a second CUDA stream beside the slot backward (where delta is whole before either:
     # delta_from_output). On the H200 32K 7.22 -> 7.19 ms, 8K 1.928 -> 1.896, w = 512 32K 10.53 -> 10.42; at 4K,
     # host-bound, the fork and join cost more host time than they save (NOTES.md session 23)
+    "keys_prefetch": True,  # the merged key kernel prefetches the rows it reads last (E, the window half's dv) into
+    # L2 at its start (`slot_bwd.keys_prefetch`): 32K step 6.875-6.880 -> 6.843-6.851 ms on the H200; the same for
+    # the rows kernel's keys and states lost 0.07 ms (NOTES.md, session 32)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
@@ -243,6 +246,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_cap168_4warps": dict(slot_bwd_maxnreg={"keys": 168}, slot_bwd_keys_merged_warps=4),  # 9.09-9.13
     "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
     "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
+    "no_keys_prefetch": dict(keys_prefetch=False),  # the default before session 32
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

@@ -216,7 +216,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(keys, D=D, DV=D, DO_K=False, DO_V=True), warps, stages),
                 # CONFIG["slot_bwd_keys_merged_warps"]
                 (f"slot bwd keys + keys_da merged {tag}", slot_bwd._keys_merged_kernel,
-                 dict(common, **grads, D=D, PREC="tf32"), warps, stages)]
+                 dict(common, **grads, D=D, PREC="tf32", PREFETCH=config.CONFIG["keys_prefetch"]), warps,
+                 stages)]
     return out
 
 

@@ -48,8 +48,9 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (_block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _chunk_cumsum, _cumsum_row, _query_rows, _real, _row_decay, _row_stats, _token_strides, alloc,
-                        batch_strides, chained_scan, kv_states, launch, launched, scan_tile)
+                        _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay, _row_stats,
+                        _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched, prefetchable,
+                        scan_tile)
 from .config import CONFIG
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -481,6 +482,12 @@ def slot_bwd_precision(dtype, slots):
     return "tf32x3" if sprec == "bf16x3" and slots < 64 else sprec
 
 
+def keys_prefetch(p):
+    """PREFETCH of the merged key kernel: CONFIG["keys_prefetch"] where its prefetched rows are whole 128-byte lines
+    (`chunk_fwd.prefetchable`; E's fp32 rows of M slots: at least 32)."""
+    return CONFIG["keys_prefetch"] and prefetchable(p) and p.M >= 32
+
+
 def gradient_precision(kernel, sprec):
     """GPREC of the slot backward's `kernel` ("rows" or "keys"): the SPREC of its products that form only dq, or dk
     and dv (not the logits, dP, E, UV or the state gradients, which log_alpha's and slot_bias's gradients,
@@ -627,15 +634,21 @@ def _keys_merged_kernel(
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
     CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    LIMIT: tl.constexpr, GPREC: tl.constexpr,
+    LIMIT: tl.constexpr, GPREC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
     weights Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both. With DVW
-    (the window half's fp32 dv, v's layout) dv is the sum of both halves, rounded once into DV_."""
+    (the window half's fp32 dv, v's layout) dv is the sum of both halves, rounded once into DV_. PREFETCH: L2
+    prefetches of the rows it reads last, E and DVW (`keys_prefetch`)."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    if PREFETCH:
+        _prefetch_rows(E, (pid_bh.to(tl.int64) * L + tl.minimum(cs0 + tl.arange(0, CSZ), L - 1)) * M, M)
+        if DVW is not None:
+            jp = tl.minimum(tl.maximum(j, 0), T - 1).to(tl.int64)
+            _prefetch_rows(DVW, b * sv_b + jp * sv_t + h * sv_h, D)
     offs_m = tl.arange(0, M)
     state = (pid_bh.to(tl.int64) * NCH + c) * M * D + offs_m[:, None] * D + offs_c[None, :]
     rk = tl.load(RK + state)
@@ -777,6 +790,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dv_window if fold else None,
             dA, xa, totals,
             *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
+            PREFETCH=keys_prefetch(p),
             **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
