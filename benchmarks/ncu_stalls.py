@@ -26,15 +26,21 @@ def stalls(path):
     """(samples per source line, stall reasons per line, samples per opcode, source text per line)."""
     by_line, reasons, by_opcode, text = collections.Counter(), collections.defaultdict(collections.Counter), \
         collections.Counter(), {}
-    source_file, column = None, None
+    source_file, column, width = None, None, 0
     with open(path, newline="") as page:
         rows = list(csv.reader(page))
     for row in rows:
         if len(row) == 2 and row[0] == "File Path":
             source_file = row[1].rsplit("/", 1)[-1]
         elif row and row[0] == "Line No":
-            column = {name: i for i, name in enumerate(row)}
+            column = {name: i for i, name in enumerate(row)}  # ("Source" twice: the SASS text's index wins)
+            width = len(row)
         elif column and len(row) >= len(column):
+            if row[0] not in ("", "-") and len(row) > width:
+                # a source line whose text has double quotes: ncu leaves them unescaped inside its quoted cell, so
+                # the text's commas split it (e.g. an inline_asm_elementwise call); join those pieces again
+                extra = len(row) - width
+                row = [row[0], ",".join(row[1:2 + extra])] + row[2 + extra:]
             samples = count(row[column[SAMPLES]])
             if row[0] not in ("", "-"):  # a source line: its samples and stall reasons
                 line = (source_file, int(row[0]))
