@@ -351,13 +351,20 @@ def _cumsum_row(a, u, CSZ: tl.constexpr):
 @triton.jit
 def _block_split_cumsum(a, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
     """`_block_split` from the gates' cumsum a [CS, M] instead of the gates (a kernel that keeps only a live)."""
-    offs_u = tl.arange(0, CSZ)
     a_ref = _cumsum_row(a, off - 1, CSZ)
-    a_last = _cumsum_row(a, off + CQB - 1, CSZ)
+    factored, direct = _block_split_bounds(a_ref, _cumsum_row(a, off + CQB - 1, CSZ), off, CQB, CSZ, LIMIT)
+    return a_ref, factored, direct
+
+
+@triton.jit
+def _block_split_bounds(a_ref, a_last, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
+    """`_block_split`'s (factored, direct) from the chunk's summed gates before the block, a_ref, and through its
+    last token, a_last ([M] each)."""
+    offs_u = tl.arange(0, CSZ)
     before = offs_u < off
     inside = (offs_u >= off) & (offs_u < off + CQB)
     decay = tl.max(a_ref - a_last, 0)
-    return a_ref, tl.where(decay <= LIMIT, before | inside, before), decay > LIMIT
+    return tl.where(decay <= LIMIT, before | inside, before), decay > LIMIT
 
 
 @triton.jit
@@ -503,7 +510,7 @@ def _fwd_kernel(
     MT: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, KPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr, PREFETCH: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr, PREFETCH: tl.constexpr, WHOLE_CHUNK_SPLIT: tl.constexpr,
 ):
     """o and the joint log-sum-exp of a block of query rows (module docstring; LSE None for a forward without a
     backward: storing it cost 0.06 ms per 32K forward on the H200, NOTES.md session 30); with STORE_LOGITS also the
@@ -574,7 +581,12 @@ def _fwd_kernel(
         # row decays by a cumsum over the rows, D in column passes of BDS (fewer live registers); factored
         # weights for the tokens before the block and, unless it decays too hard, inside it (`_block_split`);
         # else the block's own tokens get direct weights below: nothing can overflow
-        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        if WHOLE_CHUNK_SPLIT and CQB == CSZ:  # the block is the chunk: nothing before it, its end is the cumsum's last
+            # row (one reduction over the chunk's tokens instead of two)
+            a_ref = tl.zeros([MT], dtype=tl.float32)
+            factored, direct = _block_split_bounds(a_ref, _cumsum_row(a, CSZ - 1, CSZ), 0, CQB, CSZ, LIMIT)
+        else:
+            a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
         a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, tv & (gh == 0), T, W, CQB, M, MT, False)
         e_in = tl.exp(a_in)  # <= 1 for rows of this block
@@ -937,7 +949,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         VPREC=value_precision(p.q.dtype, p.training), KPREC=key_precision(p.q.dtype, p.training), BDS=min(64, D),
         LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits, KSEG=segment or 1,
-        PREFETCH=fwd_prefetch(p, segment),
+        PREFETCH=fwd_prefetch(p, segment), WHOLE_CHUNK_SPLIT=CONFIG["fwd_whole_chunk_split"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     if not has_slots:

@@ -127,7 +127,8 @@ def cases(HQ, H, D, M):
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, KPREC=sprec,
                       BDS=min(64, D),
                       LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
-                      CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0)
+                      CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0,
+                      WHOLE_CHUNK_SPLIT=config.CONFIG["fwd_whole_chunk_split"])
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
@@ -216,8 +217,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                  dict(keys, D=D, DV=D, DO_K=False, DO_V=True), warps, stages),
                 # CONFIG["slot_bwd_keys_merged_warps"]
                 (f"slot bwd keys + keys_da merged {tag}", slot_bwd._keys_merged_kernel,
-                 dict(common, **grads, D=D, PREC="tf32", PREFETCH=config.CONFIG["keys_prefetch"]), warps,
-                 stages)]
+                 dict(common, **grads, D=D, PREC="tf32", PREFETCH=config.CONFIG["keys_prefetch"],
+                      CARRY_SPLIT=config.CONFIG["keys_carry_split"]), warps, stages)]
     return out
 
 

@@ -47,10 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_block_split, _block_split_cumsum, _block_token_decay, _chunk_products,
-                        _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay, _row_stats,
-                        _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched, prefetchable,
-                        scan_tile)
+from .chunk_fwd import (_block_split, _block_split_bounds, _block_split_cumsum, _block_token_decay,
+                        _chunk_products, _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay,
+                        _row_stats, _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched,
+                        prefetchable, scan_tile)
 from .config import CONFIG
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -195,17 +195,16 @@ def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a
 
 
 @triton.jit
-def _key_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ: tl.constexpr,
-               GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, SPREC: tl.constexpr,
-               LIMIT: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
-    """A key-side program's query block at chunk offset off: `_block_split`, `_row_block` (WA if A, WB if B) and
-    their `_block_weights`; returns (t, tv, causal, a_ref, factored, direct, a_in, wa, wb, ba, bb)."""
-    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+def _key_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, off, r, tok, hq, rok, T,
+               W, HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
+               SPREC: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """A key-side program's query block at chunk offset off, split by the caller (`_block_split`): `_row_block` (WA
+    if A, WB if B) and their `_block_weights`; returns (t, tv, causal, a_in, wa, wb, ba, bb)."""
     t, tv, causal, kw, wa, wb, a_in = _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0,
                                                  off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ, A, B, True)
     ba, bb = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, direct, T, W, M,
                             CQB, CSZ, SPREC, A, B)
-    return t, tv, causal, a_ref, factored, direct, a_in, wa, wb, ba, bb
+    return t, tv, causal, a_in, wa, wb, ba, bb
 
 
 @triton.jit
@@ -611,9 +610,10 @@ def _keys_kernel(
         acc_v = dot_f32(to_end, tl.load(RV + cidx * M * DV + offs_m[:, None] * DV + offs_c[None, :]), SPREC)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     for blk in range(CSZ // CQB):
-        t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
-            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M, CQB,
-            CSZ, SPREC, LIMIT, DO_K, DO_V)
+        a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
+        t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
+            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, blk * CQB, r, tok, hq, rok, T,
+            W, HQ, GQ, M, CQB, CSZ, SPREC, DO_K, DO_V)
         if DO_K:
             acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
@@ -634,7 +634,7 @@ def _keys_merged_kernel(
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
     CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
-    LIMIT: tl.constexpr, GPREC: tl.constexpr, PREFETCH: tl.constexpr,
+    LIMIT: tl.constexpr, GPREC: tl.constexpr, PREFETCH: tl.constexpr, CARRY_SPLIT: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
@@ -662,11 +662,17 @@ def _keys_merged_kernel(
     uv = dot_xa(kc.to(tl.float32), tl.trans(rk), SPREC) + dot_xa(vc.to(tl.float32), tl.trans(rv), SPREC)
     uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
+    a_ref = tl.zeros([M], dtype=tl.float32)  # the chunk's summed gates before the block
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        t, tv, causal, a_ref, factored, direct, a_in, wk, wv, bk, bv = _key_block(
-            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, g, a, s, cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ,
-            GPREC, LIMIT, True, True)
+        if CARRY_SPLIT:  # one row of the cumsum per block: the last block's end is the next one's start
+            a_last = _cumsum_row(a, off + CQB - 1, CSZ)
+            factored, direct = _block_split_bounds(a_ref, a_last, off, CQB, CSZ, LIMIT)
+        else:
+            a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
+            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, off, r, tok, hq, rok, T, W,
+            HQ, GQ, M, CQB, CSZ, GPREC, True, True)
         qb = _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c)
         acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(kc, tl.trans(qb), input_precision=PREC), wk, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
@@ -675,6 +681,8 @@ def _keys_merged_kernel(
         acc_v += dot_xb(tl.trans(bv), dob.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(vc, tl.trans(dob), input_precision=PREC), wv, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
                           off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
+        if CARRY_SPLIT:
+            a_ref = a_last
     _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
     _store_tail(DK, None, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
     if DVW is not None:
@@ -790,7 +798,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dv_window if fold else None,
             dA, xa, totals,
             *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
-            PREFETCH=keys_prefetch(p),
+            PREFETCH=keys_prefetch(p), CARRY_SPLIT=CONFIG["keys_carry_split"],
             **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
