@@ -640,7 +640,9 @@ def _keys_merged_kernel(
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
     weights Wk, Wv, its q and dO rows and its [rows, CS] slot weights are loaded or formed once for both. With DVW
     (the window half's fp32 dv, v's layout) dv is the sum of both halves, rounded once into DV_. PREFETCH: L2
-    prefetches of the rows it reads last, E and DVW (`keys_prefetch`)."""
+    prefetches of the rows it reads last, E and DVW (`keys_prefetch`). CARRY_SPLIT (`keys_carry_split`): each row
+    block's split from one row of the gates' cumsum (its end, the next block's start) instead of two sums of the
+    gates, each a reduction across the warps over the chunk's tokens."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
