@@ -5,7 +5,9 @@ ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure (t
 block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .version line is lowered.)
 With --sass also each kernel's static instruction mix (nvdisasm, bundled too): its matrix products (HMMA, HGMMA)
 against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills (LDL, STL),
-which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17).
+which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17), and how its products
+run (`product_kinds`). In the one-program-per-multiprocessor kernels the instruction count has predicted the sign of
+every timed change (NOTES.md, session 32).
 
 Every pointer and integer argument counts as divisible by 16, as at T = 32768, where Triton pipelines more loads
 through shared memory. The figures depend on the Triton version: run it under the GPU machine's (3.6), e.g. in a
@@ -81,7 +83,20 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, 
         if sass:
             text += "; " + instruction_mix(subprocess.run([NVDISASM, "-c", cubin], capture_output=True,
                                                           text=True).stdout)
+            text += "; products: " + product_kinds(kernel.asm["ttgir"])
     return text
+
+
+def product_kinds(ttgir):
+    """'wgmma W, mma.sync S, fma F' of a kernel's TTGIR: how its matrix products run, by their result's layout.
+    Hopper's wgmma takes a product of at least 64 rows per warpgroup; smaller ones fall back to mma.sync, whose
+    operands go through shared memory into registers (ldmatrix); fp32 "ieee" products run on the FMA units. The
+    merged key kernel's products with the chunk's 32 tokens as rows are mma.sync (NOTES.md, session 32)."""
+    versions = dict(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir, re.M))
+    kinds = {"wgmma": 0, "mma.sync": 0, "fma": 0}
+    for layout in re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<[^>]*, (#\w+)>", ttgir):
+        kinds[{"3": "wgmma", "2": "mma.sync"}.get(versions.get(layout), "fma")] += 1
+    return ", ".join(f"{name} {n}" for name, n in kinds.items())
 
 
 def instruction_mix(disassembly):
