@@ -6,7 +6,7 @@ block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .vers
 With --sass also each kernel's static instruction mix (nvdisasm, bundled too): its matrix products (HMMA, HGMMA)
 against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills (LDL, STL),
 which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17), and how its products
-run (`product_kinds`). In the one-program-per-multiprocessor kernels the instruction count has predicted the sign of
+run (`asm_stats.product_kinds`). In the one-program-per-multiprocessor kernels the instruction count has predicted the sign of
 every timed change (NOTES.md, session 32).
 
 Every pointer and integer argument counts as divisible by 16, as at T = 32768, where Triton pipelines more loads
@@ -30,10 +30,10 @@ from triton.compiler import ASTSource
 
 from . import chunk_fwd as cf
 from . import chunk_scan, config, decode, slot_bwd, window_bwd
+from .asm_stats import instruction_mix, product_kinds
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
-MIX = ("HMMA", "HGMMA", "STS", "LDS", "LDSM", "BAR", "LDG", "STG", "LDL", "STL", "F2FP", "SHFL", "MUFU")
 BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
 POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, ORES=BF, WK=F32, WV=F32,
                 WKR=BF, WLA=F32, MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32,
@@ -51,7 +51,7 @@ DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOK
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, sass=False):
     """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error); maxnreg: a register cap; sass:
-    with its static instruction counts (`MIX`, and all instructions)."""
+    with its static instruction counts (`asm_stats.MIX`, and all instructions) and its products' kinds."""
     ptrs = dict(POINTERS, **(pointers or {}))
     floats = ("scale", "inv_tau")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
@@ -85,28 +85,6 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, 
                                                           text=True).stdout)
             text += "; products: " + product_kinds(kernel.asm["ttgir"])
     return text
-
-
-def product_kinds(ttgir):
-    """'wgmma W, mma.sync S, fma F' of a kernel's TTGIR: how its matrix products run, by their result's layout.
-    Hopper's wgmma takes a product of at least 64 rows per warpgroup; smaller ones fall back to mma.sync, whose
-    operands go through shared memory into registers (ldmatrix); fp32 "ieee" products run on the FMA units. The
-    merged key kernel's products with the chunk's 32 tokens as rows are mma.sync (NOTES.md, session 32)."""
-    versions = dict(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir, re.M))
-    kinds = {"wgmma": 0, "mma.sync": 0, "fma": 0}
-    for layout in re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<[^>]*, (#\w+)>", ttgir):
-        kinds[{"3": "wgmma", "2": "mma.sync"}.get(versions.get(layout), "fma")] += 1
-    return ", ".join(f"{name} {n}" for name, n in kinds.items())
-
-
-def instruction_mix(disassembly):
-    """'N instructions, HMMA a, ...' of nvdisasm output: static counts by opcode (predicates and modifiers dropped)."""
-    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", disassembly, re.M)
-    counts = {name: 0 for name in MIX}
-    for opcode in opcodes:
-        if opcode in counts:
-            counts[opcode] += 1
-    return f"{len(opcodes)} instructions, " + " ".join(f"{name} {n}" for name, n in counts.items())
 
 
 def cases(HQ, H, D, M):

@@ -1,10 +1,6 @@
-"""regreport's reading of a compiled kernel's TTGIR (CPU; no compile: a hand-written excerpt)."""
+"""Counts read from a compiled kernel's text (`nha_retrofit.kernels.asm_stats`), on hand-written excerpts (CPU)."""
 
-import pytest
-
-pytest.importorskip("triton")
-
-from nha_retrofit.kernels.regreport import product_kinds  # noqa: E402
+from nha_retrofit.kernels.asm_stats import instruction_mix, product_kinds
 
 TTGIR = """#blocked = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [4, 8], warpsPerCTA = [8, 1], order = [1, 0]}>
 #mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 8], instrShape = [16, 8]}>
@@ -22,3 +18,17 @@ module {
 def test_products_are_told_apart_by_their_result_layout():
     """mma.sync (version 2 results), wgmma (version 3; its wait op is not a product) and FMA (blocked results)."""
     assert product_kinds(TTGIR) == "wgmma 1, mma.sync 2, fma 1"
+
+
+DISASSEMBLY = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0020*/               @P1 STS.128 [R2], R4 ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   LDL.64 R6, [R1+0x8] ;
+"""
+
+
+def test_instruction_mix_counts_opcodes_without_predicates_or_modifiers():
+    mix = instruction_mix(DISASSEMBLY)
+    assert mix.startswith("5 instructions, HMMA 1 HGMMA 0 STS 1 LDS 0 LDSM 0 BAR 1 LDG 0 STG 0 LDL 1 STL 0")
