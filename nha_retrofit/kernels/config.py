@@ -150,11 +150,12 @@ CONFIG = {
     "keys_prefetch": True,  # the merged key kernel prefetches the rows it reads last (E, the window half's dv) into
     # L2 at its start (`slot_bwd.keys_prefetch`): 32K step 6.875-6.880 -> 6.843-6.851 ms on the H200; the same for
     # the rows kernel's keys and states lost 0.07 ms (NOTES.md, session 32)
-    "fwd_whole_chunk_split": False,  # the fused forward's block split, where its query block is the whole chunk, from
-    # the cumsum's last row (`chunk_fwd._fwd_kernel`; untimed: NOTES.md session 32)
-    "keys_carry_split": False,  # the merged key kernel splits its row blocks from one cumsum row per block (the
-    # block's end, carried as the next one's start) instead of two sums of the gates per block: 32K step 6.77-6.80 ->
-    # 6.53-6.57 ms on the H200 (NOTES.md, session 32); not the default until the whole GPU suite has run under it
+    "fwd_whole_chunk_split": True,  # the fused forward's block split, where its query block is the whole chunk, from
+    # the cumsum's last row (`chunk_fwd._fwd_kernel`): 32K inference forward 1.498-1.499 -> 1.384-1.387 ms on the H200
+    # (NOTES.md, session 33)
+    "keys_carry_split": True,  # the merged key kernel splits its row blocks from one cumsum row per block (the
+    # block's end, carried as the next one's start) instead of two sums of the gates per block: 32K step 6.84 ->
+    # 6.60-6.62 ms on the H200 (NOTES.md, sessions 32-33)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
@@ -253,8 +254,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
     "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
     "no_keys_prefetch": dict(keys_prefetch=False),  # the default before session 32
-    "keys_carry_split": dict(keys_carry_split=True),
-    "fwd_whole_chunk_split": dict(fwd_whole_chunk_split=True),
+    "no_keys_carry_split": dict(keys_carry_split=False),  # the default before session 33
+    "no_fwd_whole_chunk_split": dict(fwd_whole_chunk_split=False),  # the default before session 33
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

@@ -58,13 +58,14 @@ CASES = [
     ("defaults", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
     # dq, dk, dv's own products in bf16x3 (CONFIG["slot_bwd_grad_precision"]; the default before session 31)
     ("bwd_grads_bf16x3", (130, 8, 2, 128, 64, 40, 1, "bfloat16", 2.0, "real_like", "none")),
-    # the merged key kernel's block split from one carried cumsum row per block: fp32 bounds-checked over four
-    # 8-token blocks per chunk, bf16 under decay 8 (direct blocks)
-    ("keys_carry_split+slot_bwd_block8", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
-    ("keys_carry_split", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
-    # the fused forward's block split from the cumsum's last row where its query block is the whole chunk
-    ("fwd_whole_chunk_split", (100, 4, 1, 128, 128, 33, 1, "float32", 2.0, "random", "none")),
-    ("fwd_whole_chunk_split", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
+    # the merged key kernel's block split from one carried cumsum row per block (the default since session 33):
+    # fp32 bounds-checked over four 8-token blocks per chunk; the two sums per block it replaced, bf16 under decay 8
+    ("slot_bwd_block8", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
+    ("no_keys_carry_split", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
+    # the fused forward's block split from the cumsum's last row where its query block is the whole chunk (the
+    # default since session 33), fp32 without a mask; the split it replaced, bf16 with right padding
+    ("defaults", (100, 4, 1, 128, 128, 33, 1, "float32", 2.0, "random", "none")),
+    ("no_fwd_whole_chunk_split", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
 ]
 
 
