@@ -357,6 +357,18 @@ def _block_split_cumsum(a, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.
 
 
 @triton.jit
+def _carried_block_split(a, a_ref, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
+    """`_block_split` of the block at chunk offset off in a loop over the chunk's blocks, from the gates' cumsum a
+    and a_ref, the previous block's end (carried; zeros for the first): one row of a per block, not two sums of the
+    gates (each a reduction across the warps over the chunk's tokens; a sum over the block's own tokens added to
+    a_ref compiled to more instructions). Returns (a_last, factored, direct), a_last this block's end: the next
+    block's a_ref."""
+    a_last = _cumsum_row(a, off + CQB - 1, CSZ)
+    factored, direct = _block_split_bounds(a_ref, a_last, off, CQB, CSZ, LIMIT)
+    return a_last, factored, direct
+
+
+@triton.jit
 def _block_split_bounds(a_ref, a_last, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
     """`_block_split`'s (factored, direct) from the chunk's summed gates before the block, a_ref, and through its
     last token, a_last ([M] each)."""

@@ -156,6 +156,9 @@ CONFIG = {
     "keys_carry_split": True,  # the merged key kernel splits its row blocks from one cumsum row per block (the
     # block's end, carried as the next one's start) instead of two sums of the gates per block: 32K step 6.84 ->
     # 6.60-6.62 ms on the H200 (NOTES.md, sessions 32-33)
+    "rows_cumsum_split": True,  # the rows kernel's block split from two rows of the gates' cumsum, not two sums of
+    # the gates (each a reduction across the warps over the chunk's tokens): 32K step 6.54-6.57 -> 6.45-6.46 ms on the
+    # H200 (NOTES.md, session 33)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
@@ -256,6 +259,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "no_keys_prefetch": dict(keys_prefetch=False),  # the default before session 32
     "no_keys_carry_split": dict(keys_carry_split=False),  # the default before session 33
     "no_fwd_whole_chunk_split": dict(fwd_whole_chunk_split=False),  # the default before session 33
+    "no_rows_cumsum_split": dict(rows_cumsum_split=False),  # the default before session 33
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

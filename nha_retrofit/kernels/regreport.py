@@ -182,7 +182,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
         rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
-                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), **rows_grads)
+                    DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), CUMSUM_SPLIT=config.CONFIG["rows_cumsum_split"],
+                    **rows_grads)
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_block_split, _block_split_bounds, _block_split_cumsum, _block_token_decay,
+from .chunk_fwd import (_block_split, _block_split_cumsum, _carried_block_split, _block_token_decay,
                         _chunk_products, _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay,
                         _row_stats, _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched,
                         prefetchable, scan_tile)
@@ -257,16 +257,21 @@ def _rows_side(X, xrow, Y, yrow, S, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, of
 
 @triton.jit
 def _block_chunk(G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH,
-                 GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
+                 GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr,
+                 CUMSUM_SPLIT: tl.constexpr):
     """The stream chunk of a query-block program (`_query_rows`): its start cs0, the block's offset in it, the
-    positions j (real: jr), the causal mask [rows, CS], the block split (a_ref, direct), the factored slot weights
-    kw [CS, M], the rows' decays a_in from the block start, the key rows krow and the state index st."""
+    positions j (real: jr), the causal mask [rows, CS], the block split (a_ref, direct; from two rows of the
+    gates' cumsum with CUMSUM_SPLIT, else two sums of the gates), the factored slot weights kw [CS, M], the rows'
+    decays a_in from the block start, the key rows krow and the state index st."""
     c = t0 // CSZ
     cs0 = c * CSZ
     off = t0 - cs0
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, t0 + CQB, M, CSZ)
     causal = tl.arange(0, CSZ)[None, :] <= (off + tok)[:, None]
-    a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+    if CUMSUM_SPLIT:
+        a_ref, factored, direct = _block_split_cumsum(a, off, CQB, CSZ, LIMIT)
+    else:
+        a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
     kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
     a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, tv & (r % GQ == 0), T, W, CQB, M, M, False)
     krow = b * sk_b + j.to(tl.int64) * sk_t + h * sk_h
@@ -307,7 +312,7 @@ def _rows_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, HAS_LOGITS: tl.constexpr,
-    DELTA_WHOLE: tl.constexpr, GPREC: tl.constexpr,
+    DELTA_WHOLE: tl.constexpr, GPREC: tl.constexpr, CUMSUM_SPLIT: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
     slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
@@ -324,7 +329,8 @@ def _rows_kernel(
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
     lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
     cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _block_chunk(
-        G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT)
+        G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT,
+        CUMSUM_SPLIT)
     e_car = tl.exp(a_in + a_ref[None, :])
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
 
@@ -667,9 +673,8 @@ def _keys_merged_kernel(
     a_ref = tl.zeros([M], dtype=tl.float32)  # the chunk's summed gates before the block
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        if CARRY_SPLIT:  # one row of the cumsum per block: the last block's end is the next one's start
-            a_last = _cumsum_row(a, off + CQB - 1, CSZ)
-            factored, direct = _block_split_bounds(a_ref, a_last, off, CQB, CSZ, LIMIT)
+        if CARRY_SPLIT:
+            a_last, factored, direct = _carried_block_split(a, a_ref, off, CQB, CSZ, LIMIT)
         else:
             a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
@@ -765,7 +770,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
-        DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), **rows_common,
+        DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), CUMSUM_SPLIT=CONFIG["rows_cumsum_split"],
+        **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None

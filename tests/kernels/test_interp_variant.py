@@ -61,7 +61,8 @@ CASES = [
     # the merged key kernel's block split from one carried cumsum row per block (the default since session 33):
     # fp32 bounds-checked over four 8-token blocks per chunk; the two sums per block it replaced, bf16 under decay 8
     ("slot_bwd_block8", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
-    ("no_keys_carry_split", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
+    # and the rows kernel's split from two rows of the cumsum (the default since session 33): the two sums it replaced
+    ("no_keys_carry_split+no_rows_cumsum_split", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
     # the fused forward's block split from the cumsum's last row where its query block is the whole chunk (the
     # default since session 33), fp32 without a mask; the split it replaced, bf16 with right padding
     ("defaults", (100, 4, 1, 128, 128, 33, 1, "float32", 2.0, "random", "none")),
