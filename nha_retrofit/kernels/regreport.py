@@ -121,7 +121,8 @@ def cases(HQ, H, D, M):
                       BDS=min(64, D),
                       LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
                       CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0,
-                      WHOLE_CHUNK_SPLIT=config.CONFIG["fwd_whole_chunk_split"])
+                      WHOLE_CHUNK_SPLIT=config.CONFIG["fwd_whole_chunk_split"],
+                      FACTORED_DECAY=config.CONFIG["factored_carry_decay"])
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,
@@ -183,7 +184,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         tag = f"block={bq} {sprec}"
         rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
                     DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), CUMSUM_SPLIT=config.CONFIG["rows_cumsum_split"],
-                    **rows_grads)
+                    FACTORED_DECAY=config.CONFIG["factored_carry_decay"], **rows_grads)
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),

@@ -282,20 +282,26 @@ def _block_chunk(G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_
 @triton.jit
 def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D: tl.constexpr, BD: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
-             CSZ: tl.constexpr, GPREC: tl.constexpr):
+             CSZ: tl.constexpr, GPREC: tl.constexpr, FACTORED_DECAY: tl.constexpr):
     """dq (slot part) of the block's rows from their weights wk = scale dl: wk e^(a_u) . Sk (the state before the
-    chunk) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes, products at GPREC."""
+    chunk) + (wk slot-weighted)[rows, CS] . k (the chunk's tokens), in BD-column passes, products at GPREC.
+    FACTORED_DECAY: the carried decay exp(a_in + a_ref) as exp(a_in) exp(a_ref) (CONFIG["factored_carry_decay"])."""
     offs_u = tl.arange(0, CSZ)
     offs_c = tl.arange(0, BD)
     offs_m = tl.arange(0, M)
-    bk = tl.where(causal, dot_f32(wk * tl.exp(a_in), tl.trans(kw), GPREC), 0.0)
+    wk_in = wk * tl.exp(a_in)
+    bk = tl.where(causal, dot_f32(wk_in, tl.trans(kw), GPREC), 0.0)
     if direct:
         cum = tl.zeros([M], dtype=tl.float32)
         for jj in range(CQB):
             e_j, s_j, cum = _block_token_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off + jj - W, T, W, cum, a_in,
                                                tok >= jj, M, M)
             bk = tl.where(offs_u[None, :] == off + jj, tl.sum(wk * e_j * s_j[None, :], 1)[:, None], bk)
-    wc = wk * tl.exp(a_in + a_ref[None, :])
+    if FACTORED_DECAY:  # (wk e^a_in) e^a_ref, not wk times the rows' e_car, which would then stay live from the
+        # kernel's start to here
+        wc = wk_in * tl.exp(a_ref)[None, :]
+    else:
+        wc = wk * tl.exp(a_in + a_ref[None, :])
     for d0 in range(0, D, BD):
         kd = tl.load(K + krow[:, None] + d0 + offs_c[None, :], mask=jr[:, None], other=0.0)
         skd = tl.load(SK + st * M * D + offs_m[:, None] * D + d0 + offs_c[None, :])
@@ -312,7 +318,7 @@ def _rows_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     PREC: tl.constexpr, SPREC: tl.constexpr, LIMIT: tl.constexpr, HAS_LOGITS: tl.constexpr,
-    DELTA_WHOLE: tl.constexpr, GPREC: tl.constexpr, CUMSUM_SPLIT: tl.constexpr,
+    DELTA_WHOLE: tl.constexpr, GPREC: tl.constexpr, CUMSUM_SPLIT: tl.constexpr, FACTORED_DECAY: tl.constexpr,
 ):
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
     slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
@@ -331,7 +337,10 @@ def _rows_kernel(
     cs0, off, j, jr, causal, a_ref, direct, kw, a_in, krow, st = _block_chunk(
         G, MASK, pid_bh, b, h, t0, r, tok, t, tv, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, T, W, NCH, GQ, M, CQB, CSZ, LIMIT,
         CUMSUM_SPLIT)
-    e_car = tl.exp(a_in + a_ref[None, :])
+    if FACTORED_DECAY:  # as the forward's
+        e_car = tl.exp(a_in) * tl.exp(a_ref)[None, :]
+    else:
+        e_car = tl.exp(a_in + a_ref[None, :])
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
 
     # the scaled logits (the forward's, or formed again) and dP, one side after the other
@@ -363,7 +372,7 @@ def _rows_kernel(
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
 
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
-             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, GPREC)
+             cs0, off, tok, T, W, D, BD, M, CQB, CSZ, GPREC, FACTORED_DECAY)
 
 
 @triton.jit
@@ -771,7 +780,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
         DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), CUMSUM_SPLIT=CONFIG["rows_cumsum_split"],
-        **rows_common,
+        FACTORED_DECAY=CONFIG["factored_carry_decay"], **rows_common,
     )
     # the key and value state gradients in one array (one reverse scan for both) when they have one shape
     both = alloc(2, B, H, n, M, D, dtype=f32, device=dev) if D == DV and CONFIG["merge_kv_states"] else None
