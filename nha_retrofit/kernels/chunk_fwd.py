@@ -352,17 +352,17 @@ def _cumsum_row(a, u, CSZ: tl.constexpr):
 def _block_split_cumsum(a, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
     """`_block_split` from the gates' cumsum a [CS, M] instead of the gates (a kernel that keeps only a live)."""
     a_ref = _cumsum_row(a, off - 1, CSZ)
-    factored, direct = _block_split_bounds(a_ref, _cumsum_row(a, off + CQB - 1, CSZ), off, CQB, CSZ, LIMIT)
+    _, factored, direct = _carried_block_split(a, a_ref, off, CQB, CSZ, LIMIT)
     return a_ref, factored, direct
 
 
 @triton.jit
 def _carried_block_split(a, a_ref, off, CQB: tl.constexpr, CSZ: tl.constexpr, LIMIT: tl.constexpr):
-    """`_block_split` of the block at chunk offset off in a loop over the chunk's blocks, from the gates' cumsum a
-    and a_ref, the previous block's end (carried; zeros for the first): one row of a per block, not two sums of the
-    gates (each a reduction across the warps over the chunk's tokens; a sum over the block's own tokens added to
-    a_ref compiled to more instructions). Returns (a_last, factored, direct), a_last this block's end: the next
-    block's a_ref."""
+    """`_block_split` of the block at chunk offset off from the gates' cumsum a, given a_ref, the chunk's gates
+    before it (in a loop over the chunk's blocks the previous block's end, carried; zeros for the first): one row of
+    a per block, not two sums of the gates (each a reduction across the warps over the chunk's tokens; a sum over
+    the block's own tokens added to a_ref compiled to more instructions). Returns (a_last, factored, direct), a_last
+    this block's end: the next block's a_ref."""
     a_last = _cumsum_row(a, off + CQB - 1, CSZ)
     factored, direct = _block_split_bounds(a_ref, a_last, off, CQB, CSZ, LIMIT)
     return a_last, factored, direct
@@ -597,7 +597,7 @@ def _fwd_kernel(
         if WHOLE_CHUNK_SPLIT and CQB == CSZ:  # the block is the chunk: nothing before it, its end is the cumsum's last
             # row (one reduction over the chunk's tokens instead of two)
             a_ref = tl.zeros([MT], dtype=tl.float32)
-            factored, direct = _block_split_bounds(a_ref, _cumsum_row(a, CSZ - 1, CSZ), 0, CQB, CSZ, LIMIT)
+            _, factored, direct = _carried_block_split(a, a_ref, 0, CQB, CSZ, LIMIT)
         else:
             a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)

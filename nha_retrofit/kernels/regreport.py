@@ -6,8 +6,8 @@ block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .vers
 With --sass also each kernel's static instruction mix (nvdisasm, bundled too): its matrix products (HMMA, HGMMA)
 against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills (LDL, STL),
 which an Nsight profile showed the slot backward's kernels waiting on (NOTES.md, session 17), and how its products
-run (`asm_stats.product_kinds`). In the one-program-per-multiprocessor kernels the instruction count has predicted
-the sign of every timed change (NOTES.md, session 32).
+run (`asm_stats.product_kinds`). In the one-program-per-multiprocessor kernels more spill bytes or instructions
+have usually meant a slower kernel, but not always: only a timing decides (NOTES.md, sessions 31-33).
 
 Every pointer and integer argument counts as divisible by 16, as at T = 32768, where Triton pipelines more loads
 through shared memory. The figures depend on the Triton version: run it under the GPU machine's (3.6), e.g. in a
