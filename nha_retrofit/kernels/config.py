@@ -159,9 +159,9 @@ CONFIG = {
     "rows_cumsum_split": True,  # the rows kernel's block split from two rows of the gates' cumsum, not two sums of
     # the gates (each a reduction across the warps over the chunk's tokens): 32K step 6.54-6.57 -> 6.45-6.46 ms on the
     # H200 (NOTES.md, session 33)
-    "factored_carry_decay": False,  # the forward's and the rows kernel's decay of the chunk's carried state to each
-    # row as exp(a_in) * exp(a_ref) (exp(a_in) is formed anyway), not exp(a_in + a_ref): register report, rows kernel
-    # 4960 -> 4744 instructions and spills 252 -> 128 B, training forward 5664 -> 5304 (untimed: NOTES.md session 33)
+    "factored_carry_decay": True,  # the forward's and the rows kernel's decay of the chunk's carried state to each
+    # row as exp(a_in) * exp(a_ref) (exp(a_in) is formed anyway), not exp(a_in + a_ref): rows kernel spills 252 ->
+    # 128 B; 32K step 6.47-6.50 -> 6.36-6.37 ms, forward 1.38 -> 1.37 on the H200 (NOTES.md, sessions 33-34)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
@@ -263,7 +263,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "no_keys_carry_split": dict(keys_carry_split=False),  # the default before session 33
     "no_fwd_whole_chunk_split": dict(fwd_whole_chunk_split=False),  # the default before session 33
     "no_rows_cumsum_split": dict(rows_cumsum_split=False),  # the default before session 33
-    "factored_carry_decay": dict(factored_carry_decay=True),
+    "no_factored_carry_decay": dict(factored_carry_decay=False),  # the default before session 34
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

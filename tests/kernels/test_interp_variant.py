@@ -67,11 +67,12 @@ CASES = [
     # default since session 33), fp32 without a mask; the split it replaced, bf16 with right padding
     ("defaults", (100, 4, 1, 128, 128, 33, 1, "float32", 2.0, "random", "none")),
     ("no_fwd_whole_chunk_split", (90, 8, 2, 64, 64, 70, 1, "bfloat16", 1.0, "real_like", "right")),
-    # the carried decay as exp(a_in) exp(a_ref) in the forward and the rows kernel (untimed), with 16-token forward
-    # blocks (a query block that is the whole chunk has a_ref = 0): fp32 bounds-checked, bf16 under decay 8 (factors
-    # far below 1)
-    ("factored_carry_decay+fwd_block16", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
-    ("factored_carry_decay+fwd_block16", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
+    # the carried decay as exp(a_in) exp(a_ref) in the forward and the rows kernel (the default since session 34),
+    # with 16-token forward blocks (a query block that is the whole chunk has a_ref = 0): fp32 bounds-checked, bf16
+    # under decay 8 (factors far below 1); the single exponential it replaced, bf16 with right padding
+    ("fwd_block16", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
+    ("fwd_block16", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
+    ("no_factored_carry_decay", (90, 3, 1, 64, 32, 5, 2, "bfloat16", 2.0, "real_like", "right")),
 ]
 
 
