@@ -162,6 +162,9 @@ CONFIG = {
     "factored_carry_decay": True,  # the forward's and the rows kernel's decay of the chunk's carried state to each
     # row as exp(a_in) * exp(a_ref) (exp(a_in) is formed anyway), not exp(a_in + a_ref): rows kernel spills 252 ->
     # 128 B; 32K step 6.47-6.50 -> 6.36-6.37 ms, forward 1.38 -> 1.37 on the H200 (NOTES.md, sessions 33-34)
+    "keys_sides_apart": True,  # the merged key kernel loads and forms each row block's value-side weights after
+    # its key side's products (fewer live tiles: spills 152 -> 32 B): the kernel 1.583 -> 1.547 ms at 32K on the
+    # H200, the step 6.30-6.36 -> 6.32 side by side (NOTES.md, session 34)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
@@ -264,6 +267,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "no_fwd_whole_chunk_split": dict(fwd_whole_chunk_split=False),  # the default before session 33
     "no_rows_cumsum_split": dict(rows_cumsum_split=False),  # the default before session 33
     "no_factored_carry_decay": dict(factored_carry_decay=False),  # the default before session 34
+    "keys_sides_together": dict(keys_sides_apart=False),  # the default before session 34
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

@@ -650,6 +650,7 @@ def _keys_merged_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
     CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     LIMIT: tl.constexpr, GPREC: tl.constexpr, PREFETCH: tl.constexpr, CARRY_SPLIT: tl.constexpr,
+    SIDES_APART: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
@@ -657,7 +658,9 @@ def _keys_merged_kernel(
     (the window half's fp32 dv, v's layout) dv is the sum of both halves, rounded once into DV_. PREFETCH: L2
     prefetches of the rows it reads last, E and DVW (`keys_prefetch`). CARRY_SPLIT (`keys_carry_split`): each row
     block's split from one row of the gates' cumsum (its end, the next block's start) instead of two sums of the
-    gates, each a reduction across the warps over the chunk's tokens."""
+    gates, each a reduction across the warps over the chunk's tokens. SIDES_APART (`keys_sides_apart`): each row
+    block's Wv and its slot-weighted rows are loaded and formed after the key side's products, so the two sides'
+    tiles are not live at once."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
@@ -686,13 +689,25 @@ def _keys_merged_kernel(
             a_last, factored, direct = _carried_block_split(a, a_ref, off, CQB, CSZ, LIMIT)
         else:
             a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
-        t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
-            G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, off, r, tok, hq, rok, T, W,
-            HQ, GQ, M, CQB, CSZ, GPREC, True, True)
+        if SIDES_APART:  # the value side's weights loaded and formed after the key side's work
+            t, tv, causal, kw, wk, _, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored,
+                                                        cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ, True,
+                                                        False, True)
+            bk, _ = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wk, direct, T,
+                                   W, M, CQB, CSZ, GPREC, True, False)
+        else:
+            t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
+                G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, off, r, tok, hq, rok, T,
+                W, HQ, GQ, M, CQB, CSZ, GPREC, True, True)
         qb = _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c)
         acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(kc, tl.trans(qb), input_precision=PREC), wk, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
                           off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
+        if SIDES_APART:
+            wv = tl.load(WV + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :], mask=tv[:, None],
+                         other=0.0)
+            _, bv = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wv, wv, direct, T,
+                                   W, M, CQB, CSZ, GPREC, False, True)
         dob = _load_rows(DO, b, t, hq, tv, so_b, so_t, D, offs_c)
         acc_v += dot_xb(tl.trans(bv), dob.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(vc, tl.trans(dob), input_precision=PREC), wv, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
@@ -816,6 +831,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             dA, xa, totals,
             *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
             PREFETCH=keys_prefetch(p), CARRY_SPLIT=CONFIG["keys_carry_split"],
+            SIDES_APART=CONFIG["keys_sides_apart"],
             **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
