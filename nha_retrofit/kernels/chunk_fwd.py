@@ -523,7 +523,7 @@ def _fwd_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     VPREC: tl.constexpr, KPREC: tl.constexpr, BDS: tl.constexpr, LIMIT: tl.constexpr, SLOTS_FIRST: tl.constexpr,
     STORE_LOGITS: tl.constexpr, KSEG: tl.constexpr, PREFETCH: tl.constexpr, WHOLE_CHUNK_SPLIT: tl.constexpr,
-    FACTORED_DECAY: tl.constexpr,
+    FACTORED_DECAY: tl.constexpr, DECAYS_LATE: tl.constexpr,
 ):
     """o and the joint log-sum-exp of a block of query rows (module docstring; LSE None for a forward without a
     backward: storing it cost 0.06 ms per 32K forward on the H200, NOTES.md session 30); with STORE_LOGITS also the
@@ -600,6 +600,9 @@ def _fwd_kernel(
             _, factored, direct = _carried_block_split(a, a_ref, 0, CQB, CSZ, LIMIT)
         else:
             a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
+        if DECAYS_LATE:  # the products first: the decays' tiles are not live through them
+            qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, CK, ct, dcum, tv, jr, tl.arange(0, BDS), D, BDS,
+                                        M, MT, BR, CSZ, PREC, KPREC)
         kw = tl.where(jr[:, None] & factored[:, None], (1.0 - tl.exp(g)) * tl.exp(a_ref[None, :] - a), 0.0)
         a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, t0, tok, tv & (gh == 0), T, W, CQB, M, MT, False)
         e_in = tl.exp(a_in)  # <= 1 for rows of this block
@@ -609,8 +612,9 @@ def _fwd_kernel(
         else:
             e_car = tl.exp(a_in + a_ref[None, :])  # <= 1 (inline: through a helper it compiled differently)
         # the same products as the slot backward's rows kernel, so its recomputed logits match this L
-        qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, CK, ct, dcum, tv, jr, tl.arange(0, BDS), D, BDS, M,
-                                    MT, BR, CSZ, PREC, KPREC)
+        if not DECAYS_LATE:
+            qk, x_car = _chunk_products(Q, row_off, K, krow, SK, st, CK, ct, dcum, tv, jr, tl.arange(0, BDS), D, BDS,
+                                        M, MT, BR, CSZ, PREC, KPREC)
         qk = tl.where(causal, qk, 0.0)
         if KPREC == "bf16":  # the chunk tokens' key weights rounded to bf16, as the key state (qk split)
             x_in = dot_xb(qk, kw, SPREC) * e_in
@@ -967,7 +971,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         LIMIT=CONFIG["block_factor_limit"],
         SLOTS_FIRST=CONFIG["fwd_slots_first"], STORE_LOGITS=store_logits, KSEG=segment or 1,
         PREFETCH=fwd_prefetch(p, segment), WHOLE_CHUNK_SPLIT=CONFIG["fwd_whole_chunk_split"],
-        FACTORED_DECAY=CONFIG["factored_carry_decay"],
+        FACTORED_DECAY=CONFIG["factored_carry_decay"], DECAYS_LATE=CONFIG["fwd_decays_late"],
         num_warps=warps, num_stages=CONFIG["num_stages"],
     )
     if not has_slots:

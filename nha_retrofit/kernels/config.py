@@ -162,6 +162,9 @@ CONFIG = {
     "factored_carry_decay": True,  # the forward's and the rows kernel's decay of the chunk's carried state to each
     # row as exp(a_in) * exp(a_ref) (exp(a_in) is formed anyway), not exp(a_in + a_ref): rows kernel spills 252 ->
     # 128 B; 32K step 6.47-6.50 -> 6.36-6.37 ms, forward 1.38 -> 1.37 on the H200 (NOTES.md, sessions 33-34)
+    "fwd_decays_late": False,  # the fused forward forms its slot products (q with the chunk's keys and the key state)
+    # before the rows' decays and the chunk tokens' weights, which are then not live through them: training forward
+    # spills 24 -> 8 B; not timed alone (NOTES.md, session 34)
     "keys_sides_apart": True,  # the merged key kernel loads and forms each row block's value-side weights after
     # its key side's products (fewer live tiles: spills 152 -> 32 B): the kernel 1.583 -> 1.547 ms at 32K on the
     # H200, the step 6.30-6.36 -> 6.32 side by side (NOTES.md, session 34)
@@ -181,7 +184,7 @@ FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of t
     "fwd_slots_first", "value_precision", "inference_value_precision", "inference_key_precision", "fwd_min_slot_tile",
     "block_factor_limit", "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits",
     "maskless", "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
-    "fwd_whole_chunk_split", "factored_carry_decay",
+    "fwd_whole_chunk_split", "factored_carry_decay", "fwd_decays_late",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -268,6 +271,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "no_rows_cumsum_split": dict(rows_cumsum_split=False),  # the default before session 33
     "no_factored_carry_decay": dict(factored_carry_decay=False),  # the default before session 34
     "keys_sides_together": dict(keys_sides_apart=False),  # the default before session 34
+    "fwd_decays_late": dict(fwd_decays_late=True),
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

@@ -122,7 +122,8 @@ def cases(HQ, H, D, M):
                       LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
                       CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0,
                       WHOLE_CHUNK_SPLIT=config.CONFIG["fwd_whole_chunk_split"],
-                      FACTORED_DECAY=config.CONFIG["factored_carry_decay"])
+                      FACTORED_DECAY=config.CONFIG["factored_carry_decay"],
+                      DECAYS_LATE=config.CONFIG["fwd_decays_late"])
         out.append((f"fwd block={cq} {sprec}/{vprec}", cf._fwd_kernel, consts, warps, stages))
         if cq == auto and sprec == vprec:
             out.append((f"fwd block={cq} {sprec}/{vprec} slots first", cf._fwd_kernel,

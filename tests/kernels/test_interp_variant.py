@@ -76,6 +76,10 @@ CASES = [
     # the merged key kernel's value-side weights formed after its key side's products (the default since session 34;
     # the defaults' cases above check it): the two sides together, bf16 under decay 8
     ("keys_sides_together", (90, 4, 2, 64, 32, 5, 2, "bfloat16", 8.0, "real_like", "right")),
+    # the fused forward's slot products before its rows' decays (untimed): fp32 bounds-checked, bf16 under decay 8
+    # with 16-token blocks (a_ref not zero, direct blocks)
+    ("fwd_decays_late", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
+    ("fwd_decays_late+fwd_block16", (130, 4, 2, 64, 64, 20, 1, "bfloat16", 8.0, "random", "left")),
 ]
 
 
