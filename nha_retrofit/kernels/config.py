@@ -167,7 +167,7 @@ CONFIG = {
     # spills 24 -> 8 B; not timed alone (NOTES.md, session 34)
     "keys_sides_apart": True,  # the merged key kernel loads and forms each row block's value-side weights after
     # its key side's products (fewer live tiles: spills 152 -> 32 B): the kernel 1.583 -> 1.547 ms at 32K on the
-    # H200, the step 6.30-6.36 -> 6.32 side by side (NOTES.md, session 34)
+    # H200, the step 6.32 against 6.30-6.36 side by side (NOTES.md, session 34)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
