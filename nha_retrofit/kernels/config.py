@@ -162,9 +162,10 @@ CONFIG = {
     "factored_carry_decay": True,  # the forward's and the rows kernel's decay of the chunk's carried state to each
     # row as exp(a_in) * exp(a_ref) (exp(a_in) is formed anyway), not exp(a_in + a_ref): rows kernel spills 252 ->
     # 128 B; 32K step 6.47-6.50 -> 6.36-6.37 ms, forward 1.38 -> 1.37 on the H200 (NOTES.md, sessions 33-34)
-    "fwd_decays_late": False,  # the fused forward forms its slot products (q with the chunk's keys and the key state)
+    "fwd_decays_late": True,  # the fused forward forms its slot products (q with the chunk's keys and the key state)
     # before the rows' decays and the chunk tokens' weights, which are then not live through them: training forward
-    # spills 24 -> 8 B; not timed alone (NOTES.md, session 34)
+    # spills 24 -> 8 B; on the H200 side by side the kernel 1.38 -> 1.33 ms, the 32K step 6.29-6.31 -> 6.22-6.28 ms,
+    # the forward without a backward unchanged (NOTES.md, sessions 34-35)
     "keys_sides_apart": True,  # the merged key kernel loads and forms each row block's value-side weights after
     # its key side's products (fewer live tiles: spills 152 -> 32 B): the kernel 1.583 -> 1.547 ms at 32K on the
     # H200, the step 6.32 against 6.30-6.36 side by side (NOTES.md, session 34)
@@ -271,7 +272,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "no_rows_cumsum_split": dict(rows_cumsum_split=False),  # the default before session 33
     "no_factored_carry_decay": dict(factored_carry_decay=False),  # the default before session 34
     "keys_sides_together": dict(keys_sides_apart=False),  # the default before session 34
-    "fwd_decays_late": dict(fwd_decays_late=True),
+    "fwd_decays_early": dict(fwd_decays_late=False),  # the default before session 35
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }
