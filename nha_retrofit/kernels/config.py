@@ -169,6 +169,10 @@ CONFIG = {
     "keys_sides_apart": True,  # the merged key kernel loads and forms each row block's value-side weights after
     # its key side's products (fewer live tiles: spills 152 -> 32 B): the kernel 1.583 -> 1.547 ms at 32K on the
     # H200, the step 6.32 against 6.30-6.36 side by side (NOTES.md, session 34)
+    "state_grad_chunk_decay": True,  # the state_grad kernel forms each row's decay from the chunk's start in one
+    # product of the chunk's gates (`_row_decay`; 64 slots or more), not from its block's start plus the gates before
+    # the block (a reduction across the warps over the chunk's tokens per block): 2112 -> 1840 instructions, no
+    # shuffles; on the H200 the kernel 0.513 -> 0.506 ms at 32K, the step 6.27-6.30 -> 6.26-6.27 (NOTES.md session 35)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)
@@ -273,6 +277,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "no_factored_carry_decay": dict(factored_carry_decay=False),  # the default before session 34
     "keys_sides_together": dict(keys_sides_apart=False),  # the default before session 34
     "fwd_decays_early": dict(fwd_decays_late=False),  # the default before session 35
+    "state_grad_block_decay": dict(state_grad_chunk_decay=False),  # the default before session 35
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

@@ -189,7 +189,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),
-                (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, stages),
+                (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel,
+                 dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"]), warps, stages),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(keys, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,
@@ -204,7 +205,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     stages = slot_bwd.pipeline_stages(common["BR"], D)
     for warps in (4, 8):
         tag = f"block={bq} {sprec} columns={min(128, D)}"
-        out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel, dict(common, DX=D), warps, stages),
+        out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel,
+                 dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"]), warps, stages),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(keys, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,  # CONFIG["slot_bwd_merge_keys"] False

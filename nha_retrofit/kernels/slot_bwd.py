@@ -556,17 +556,29 @@ def _log_alpha_grad(p, dA, xa, totals):
 def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
                       HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
                       CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-                      LIMIT: tl.constexpr):
-    """sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols]: [M, BD]."""
+                      LIMIT: tl.constexpr, CHUNK_DECAY: tl.constexpr):
+    """sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols]: [M, BD]. With CHUNK_DECAY and at least 64 slots
+    each row block's a_u come from the chunk's start in one product of its gates (`_row_decay`'s product form: no
+    reduction across the warps); else from the block's start plus the gates before it, a_ref (`_block_split`'s sum
+    over the chunk's tokens; `_row_decay`'s scan form, below 64 slots, covers only the block's rows)."""
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     acc = tl.zeros([M, BD], dtype=tl.float32)
     for blk in range(CSZ // CQB):
-        a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
-        t, tv, causal, kw, wst, unused, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
-                                                          factored, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ, M,
-                                                          CQB, CSZ, True, False, False)
+        if CHUNK_DECAY and M >= 64:
+            t = cs0 + blk * CQB + tok
+            tv = rok & (t < T)
+            wst = tl.load(WST + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + tl.arange(0, M)[None, :],
+                          mask=tv[:, None], other=0.0)
+            decay = tl.exp(_row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, blk * CQB + tok, tv & (r % GQ == 0), T,
+                                      W, CSZ, M, M, False))
+        else:
+            a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
+            t, tv, causal, kw, wst, unused, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
+                                                              factored, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ,
+                                                              M, CQB, CSZ, True, False, False)
+            decay = tl.exp(a_in + a_ref[None, :])
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
-        acc = acc + dot_xb(tl.trans(wst * tl.exp(a_in + a_ref[None, :])), y.to(tl.float32), SPREC)
+        acc = acc + dot_xb(tl.trans(wst * decay), y.to(tl.float32), SPREC)
     return acc
 
 
@@ -576,7 +588,7 @@ def _state_grad_kernel(
     sy_b, sg_b, T, W, NCH,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
-    LIMIT: tl.constexpr,
+    LIMIT: tl.constexpr, CHUNK_DECAY: tl.constexpr,
 ):
     """C_OUT[c][:, cols] = sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols], a_u the chunk's summed
     log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
@@ -590,10 +602,10 @@ def _state_grad_kernel(
     offs_c = offs_c - stream * DX  # _keys_chunk's columns count over both streams
     if stream == 0:
         acc = _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
-                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT)
+                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT, CHUNK_DECAY)
     else:
         acc = _state_grad_chunk(Y2, WST2, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
-                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT)
+                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT, CHUNK_DECAY)
     offs_m = tl.arange(0, M)
     out = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * NCH + c
     tl.store(C_OUT + out * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
@@ -807,7 +819,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         launch(
             "slot bwd state_grad", _state_grad_kernel, (n, B * H, streams * dx // cols),
             y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), p.log_alpha.stride(0), T, W, n, DX=dx,
-            **grad_common,
+            CHUNK_DECAY=CONFIG["state_grad_chunk_decay"], **grad_common,
         )
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
                                                                          reverse_scan(cv, dec))

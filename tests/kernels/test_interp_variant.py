@@ -79,6 +79,9 @@ CASES = [
     # the fused forward's slot products before its rows' decays (the default since session 35; the fwd_block16 cases
     # above check it with a_ref not zero and direct blocks): the decays first, bf16 with right padding
     ("fwd_decays_early", (90, 3, 1, 64, 32, 5, 2, "bfloat16", 2.0, "real_like", "right")),
+    # the state_grad kernel's row decays from the chunk's start (the default since session 35; the defaults' cases
+    # check it at 64 and 128 slots, below 64 it keeps the block split): the block split, bf16 with right padding
+    ("state_grad_block_decay", (90, 4, 2, 64, 64, 5, 1, "bfloat16", 2.0, "real_like", "right")),
 ]
 
 
