@@ -217,7 +217,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                 (f"slot bwd keys + keys_da merged {tag}", slot_bwd._keys_merged_kernel,
                  dict(common, **grads, D=D, PREC="tf32", PREFETCH=config.CONFIG["keys_prefetch"],
                       CARRY_SPLIT=config.CONFIG["keys_carry_split"],
-                      SIDES_APART=config.CONFIG["keys_sides_apart"]), warps, stages)]
+                      SIDES_APART=config.CONFIG["keys_sides_apart"], REST_PRODUCT=config.CONFIG["keys_rest_product"]),
+                 warps, stages)]
     return out
 
 

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_block_split, _block_split_cumsum, _carried_block_split, _block_token_decay,
+from .chunk_fwd import (_block_split, _block_split_cumsum, _prefix_sums, _carried_block_split, _block_token_decay,
                         _chunk_products, _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay,
                         _row_stats, _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched,
                         prefetchable, scan_tile)
@@ -119,10 +119,12 @@ def _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, limit_u,
 
 @triton.jit
 def _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H: tl.constexpr, M: tl.constexpr, CSZ: tl.constexpr,
-                BD: tl.constexpr):
+                BD: tl.constexpr, REST_PRODUCT: tl.constexpr):
     """A keys-side program (axes: stream chunk c, batch x kv head, BD columns): its gates g, their cumsum a,
-    positions j and which are real tokens jr, write weights s of those, and to_end = s exp(a_end - a) (the decay
-    to its end)."""
+    positions j and which are real tokens jr, write weights s of those, to_end = s exp(a_end - a) (the decay to its
+    end) and a_end - a [CS, M], the gates after each token. With REST_PRODUCT (and tiles of 64 slots or more, as
+    `_prefix_sums`) a_end - a is one product of the gates with a strictly upper 0/1 matrix, not the gates' sum over
+    the chunk's tokens (a reduction across the warps) less a."""
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     d0 = tl.program_id(2) * BD
@@ -131,9 +133,14 @@ def _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H: tl.constexpr, M: tl.constexp
     cs0 = c * CSZ
     offs_c = d0 + tl.arange(0, BD)
     g, a, j, jr = _chunk_gates(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, T, W, cs0 + CSZ, M, CSZ)
+    if REST_PRODUCT and M >= 64:
+        offs_u = tl.arange(0, CSZ)
+        rest = _prefix_sums(g.to(G.dtype.element_ty), offs_u[None, :] > offs_u[:, None])  # (g: exact in G's dtype)
+    else:
+        rest = tl.sum(g, 0)[None, :] - a
     s = tl.where(jr[:, None], 1.0 - tl.exp(g), 0.0)
-    to_end = s * tl.exp(tl.sum(g, 0)[None, :] - a)
-    return c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end
+    to_end = s * tl.exp(rest)
+    return c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end, rest
 
 
 @triton.jit
@@ -596,7 +603,8 @@ def _state_grad_kernel(
     long) of (Y2, WST2), whose results follow in C_OUT (both state gradients in one launch). Y and Y2: [B, T, HQ,
     DX] (q or dO)."""
     sy_t, sg_t, sg_h = HQ * DX, H * M, M  # contiguous layouts (as `_token_strides`)
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end, _ = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ,
+                                                                         BD, False)
     NDB: tl.constexpr = DX // BD
     stream = tl.program_id(2) // NDB
     offs_c = offs_c - stream * DX  # _keys_chunk's columns count over both streams
@@ -626,7 +634,8 @@ def _keys_kernel(
     k and v. Its products form only dk and dv: SPREC is the `gradient_precision` of "keys"."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end, _ = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ,
+                                                                         BD, False)
     offs_m = tl.arange(0, M)
     cidx = pid_bh.to(tl.int64) * NCH + c
     acc_k = tl.zeros([CSZ, BD], dtype=tl.float32)
@@ -662,7 +671,7 @@ def _keys_merged_kernel(
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
     CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr,
     LIMIT: tl.constexpr, GPREC: tl.constexpr, PREFETCH: tl.constexpr, CARRY_SPLIT: tl.constexpr,
-    SIDES_APART: tl.constexpr,
+    SIDES_APART: tl.constexpr, REST_PRODUCT: tl.constexpr,
 ):
     """`_keys_kernel` (dk and dv) and `_keys_da_kernel` (DA, XA, TOT) in one program per (chunk, batch x kv head)
     (CONFIG["slot_bwd_keys_merged_warps"]; values as wide as keys, BD = D columns, all M slots): each row block's
@@ -672,10 +681,12 @@ def _keys_merged_kernel(
     block's split from one row of the gates' cumsum (its end, the next block's start) instead of two sums of the
     gates, each a reduction across the warps over the chunk's tokens. SIDES_APART (`keys_sides_apart`): each row
     block's Wv and its slot-weighted rows are loaded and formed after the key side's products, so the two sides'
-    tiles are not live at once."""
+    tiles are not live at once. REST_PRODUCT (`keys_rest_product`): the gates after each chunk token as one product
+    (`_keys_chunk`)."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
-    c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ, BD)
+    c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end, rest = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M,
+                                                                              CSZ, BD, REST_PRODUCT)
     if PREFETCH:
         _prefetch_rows(E, (pid_bh.to(tl.int64) * L + tl.minimum(cs0 + tl.arange(0, CSZ), L - 1)) * M, M)
         if DVW is not None:
@@ -692,7 +703,7 @@ def _keys_merged_kernel(
     kc = tl.load(K + krow[:, None] + offs_c[None, :], mask=jr[:, None], other=0.0)
     vc = tl.load(V + vrow[:, None] + offs_c[None, :], mask=jr[:, None], other=0.0)
     uv = dot_xa(kc.to(tl.float32), tl.trans(rk), SPREC) + dot_xa(vc.to(tl.float32), tl.trans(rv), SPREC)
-    uv = uv * tl.exp(tl.sum(g, 0)[None, :] - a)
+    uv = uv * tl.exp(rest)
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     a_ref = tl.zeros([M], dtype=tl.float32)  # the chunk's summed gates before the block
     for blk in range(CSZ // CQB):
@@ -843,7 +854,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             dA, xa, totals,
             *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
             PREFETCH=keys_prefetch(p), CARRY_SPLIT=CONFIG["keys_carry_split"],
-            SIDES_APART=CONFIG["keys_sides_apart"],
+            SIDES_APART=CONFIG["keys_sides_apart"], REST_PRODUCT=CONFIG["keys_rest_product"],
             **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
