@@ -177,7 +177,8 @@ CONFIG = {
     "state_grad_chunk_decay": True,  # the state_grad kernel forms each row's decay from the chunk's start in one
     # product of the chunk's gates (`_row_decay`; 64 slots or more), not from its block's start plus the gates before
     # the block (a reduction across the warps over the chunk's tokens per block): 2112 -> 1840 instructions, no
-    # shuffles; on the H200 the kernel 0.513 -> 0.506 ms at 32K, the step 6.27-6.30 -> 6.26-6.27 (NOTES.md session 35)
+    # shuffles; on the H200 the kernel 0.513 -> 0.506 ms at 32K, the step 6.27-6.30 -> 6.26-6.27 (NOTES.md session 35;
+    # its row weights loaded through `_load_rows` since, 1800 instructions, untimed)
     "fold_dv_sum": True,  # where the window dq kernel forms the whole delta (delta_from_output), the window's dv
     # is formed before the merged key kernel, which adds it to the slot half's and stores dv once in v's dtype (False:
     # the slot half's fp32 dv stored, then a PyTorch add of both)

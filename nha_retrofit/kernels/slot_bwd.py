@@ -574,8 +574,7 @@ def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h,
         if CHUNK_DECAY and M >= 64:
             t = cs0 + blk * CQB + tok
             tv = rok & (t < T)
-            wst = tl.load(WST + ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + tl.arange(0, M)[None, :],
-                          mask=tv[:, None], other=0.0)
+            wst = _load_rows(WST, b, t, hq, tv, T * HQ * M, HQ * M, M, tl.arange(0, M))  # ([B, T, HQ, M])
             decay = tl.exp(_row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, blk * CQB + tok, tv & (r % GQ == 0), T,
                                       W, CSZ, M, M, False))
         else:
