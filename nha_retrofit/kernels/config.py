@@ -169,11 +169,10 @@ CONFIG = {
     "keys_sides_apart": True,  # the merged key kernel loads and forms each row block's value-side weights after
     # its key side's products (fewer live tiles: spills 152 -> 32 B): the kernel 1.583 -> 1.547 ms at 32K on the
     # H200, the step 6.32 against 6.30-6.36 side by side (NOTES.md, session 34)
-    "keys_rest_product": False,  # the merged key kernel forms a_end - a (the chunk's gates after each token) as one
+    "keys_rest_product": True,  # the merged key kernel forms a_end - a (the chunk's gates after each token) as one
     # product of its gates with a strictly upper 0/1 matrix, not their sum over the chunk's tokens (a reduction across
-    # the warps) less a: 5152 -> 5080 instructions (spills 32 -> 48 B); on the H200 the 32K step 6.247-6.255 ->
-    # 6.216-6.227 ms (two alternations, separate processes); 39 GPU cases passed, not yet the whole suite (NOTES.md
-    # session 35)
+    # the warps) less a: 5152 -> 5080 instructions (spills 32 -> 48 B); on the H200 the 32K step 6.246-6.255 ->
+    # 6.198-6.230 ms (four alternations, NOTES.md sessions 35-36)
     "state_grad_chunk_decay": True,  # the state_grad kernel forms each row's decay from the chunk's start in one
     # product of the chunk's gates (`_row_decay`; 64 slots or more), not from its block's start plus the gates before
     # the block (a reduction across the warps over the chunk's tokens per block): 2112 -> 1840 instructions, no
@@ -284,7 +283,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_sides_together": dict(keys_sides_apart=False),  # the default before session 34
     "fwd_decays_early": dict(fwd_decays_late=False),  # the default before session 35
     "state_grad_block_decay": dict(state_grad_chunk_decay=False),  # the default before session 35
-    "keys_rest_product": dict(keys_rest_product=True),
+    "keys_rest_sum": dict(keys_rest_product=False),  # the default before session 36
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }
