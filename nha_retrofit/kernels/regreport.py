@@ -41,7 +41,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
-                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, ENDS=F32, DSEG=F32, DVW=F32)
+                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, ENDS=F32, DSEG=F32, DVW=F32, BCUM=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
@@ -170,6 +170,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     keys-side kernels' default launch, the last the rows kernel's (CONFIG["slot_bwd_rows_block"] / "_warps")."""
     G = HQ // H
     pow2 = triton.next_power_of_2
+    # the rows kernel's row decays, which the merged key kernel loads (CONFIG["shared_row_decays"]): a pointer
+    shared = {} if config.CONFIG["shared_row_decays"] else dict(BCUM=None)
 
     def constants(bq, sprec, columns):  # at the training chunk (the slot backward runs only in training)
         return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=config.CONFIG["train_chunk"] or cf.inference_chunk(G),
@@ -183,7 +185,7 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         keys = dict(common, SPREC=slot_bwd.gradient_precision("keys", sprec))  # its products form only dk and dv
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
-        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32",
+        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", **shared,
                     DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), CUMSUM_SPLIT=config.CONFIG["rows_cumsum_split"],
                     FACTORED_DECAY=config.CONFIG["factored_carry_decay"], **rows_grads)
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
@@ -217,7 +219,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
                 (f"slot bwd keys + keys_da merged {tag}", slot_bwd._keys_merged_kernel,
                  dict(common, **grads, D=D, PREC="tf32", PREFETCH=config.CONFIG["keys_prefetch"],
                       CARRY_SPLIT=config.CONFIG["keys_carry_split"],
-                      SIDES_APART=config.CONFIG["keys_sides_apart"], REST_PRODUCT=config.CONFIG["keys_rest_product"]),
+                      SIDES_APART=config.CONFIG["keys_sides_apart"], REST_PRODUCT=config.CONFIG["keys_rest_product"],
+                      **shared),
                  warps, stages)]
     return out
 

@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (_block_split, _block_split_cumsum, _prefix_sums, _carried_block_split, _block_token_decay,
+from .chunk_fwd import (_block_split, _block_split_bounds, _block_split_cumsum, _prefix_sums, _carried_block_split,
+                        _block_token_decay,
                         _chunk_products, _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay,
                         _row_stats, _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched,
                         prefetchable, scan_tile)
@@ -152,12 +153,12 @@ def _row_lanes(h, GQ: tl.constexpr, CQB: tl.constexpr, BR: tl.constexpr):
 
 @triton.jit
 def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0, off, r, tok, hq, rok, T, W,
-               HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
+               A_IN, HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
                A: tl.constexpr, B: tl.constexpr, ROW_SCAN: tl.constexpr):
     """Query block at chunk offset off, split by the caller (`_block_split`: a_ref, the gates before it, and
     which tokens are `factored`): tokens t, valid rows tv, the causal mask [rows, CS], the factored weights kw,
     the rows' [rows, M] weights from WA (if A) and WB (if B; zeros where not loaded) and their decays a_in from
-    the block start (`_row_decay`, by a scan with ROW_SCAN)."""
+    the block start (A_IN where the caller has them, else `_row_decay`, by a scan with ROW_SCAN)."""
     offs_u = tl.arange(0, CSZ)
     t = cs0 + off + tok
     tv = rok & (t < T)
@@ -170,8 +171,28 @@ def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, c
         wa = tl.load(WA + w_off, mask=tv[:, None], other=0.0)
     if B:
         wb = tl.load(WB + w_off, mask=tv[:, None], other=0.0)
-    a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off, tok, tv & (r % GQ == 0), T, W, CQB, M, M, ROW_SCAN)
+    if A_IN is not None:
+        a_in = A_IN
+    else:
+        a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + off, tok, tv & (r % GQ == 0), T, W, CQB, M, M,
+                          ROW_SCAN)
     return t, tv, causal, kw, wa, wb, a_in
+
+
+@triton.jit
+def _shared_row_decays(BCUM, pid_bh, L, cs0, off, tok, rok, T, M: tl.constexpr, CQB: tl.constexpr):
+    """The rows kernel's row decays for the block at chunk offset off (BCUM [B * H, L, M]: each token's decay from
+    its block's start; CONFIG["shared_row_decays"]): the block's own decay a_blk [M], to its last token before T
+    (the gates after it are zeros; zeros for a block after the stream's end), and its rows' [rows, M], a_blk in
+    the rows after the stream's end, as a scan over the block gives them (so exp(a_in - a_j) stays <= 1 there)."""
+    offs_m = tl.arange(0, M)
+    base = pid_bh.to(tl.int64) * L
+    end = tl.minimum(cs0 + off + CQB, T) - 1
+    a_blk = tl.load(BCUM + (base + end) * M + offs_m, mask=end + 0 * offs_m >= cs0 + off, other=0.0)
+    t = cs0 + off + tok
+    tv = rok & (t < T)
+    rows = tl.load(BCUM + (base + t)[:, None] * M + offs_m[None, :], mask=tv[:, None])
+    return a_blk, tl.where(tv[:, None], rows, a_blk[None, :])
 
 
 @triton.jit
@@ -203,12 +224,13 @@ def _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a
 
 @triton.jit
 def _key_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, off, r, tok, hq, rok, T,
-               W, HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
+               W, A_IN, HQ: tl.constexpr, GQ: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr, CSZ: tl.constexpr,
                SPREC: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
     """A key-side program's query block at chunk offset off, split by the caller (`_block_split`): `_row_block` (WA
-    if A, WB if B) and their `_block_weights`; returns (t, tv, causal, a_in, wa, wb, ba, bb)."""
+    if A, WB if B; the rows' decays A_IN unless None) and their `_block_weights`; returns (t, tv, causal, a_in, wa,
+    wb, ba, bb)."""
     t, tv, causal, kw, wa, wb, a_in = _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, cs0,
-                                                 off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ, A, B, True)
+                                                 off, r, tok, hq, rok, T, W, A_IN, HQ, GQ, M, CQB, CSZ, A, B, True)
     ba, bb = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wa, wb, direct, T, W, M,
                             CQB, CSZ, SPREC, A, B)
     return t, tv, causal, a_in, wa, wb, ba, bb
@@ -319,7 +341,7 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow,
 @triton.jit
 def _rows_kernel(
     Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, LOGITS,
-    DQ, DB, E, WK, WV,
+    DQ, DB, E, WK, WV, BCUM,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
@@ -330,7 +352,8 @@ def _rows_kernel(
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
     slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
     logits are the forward's (LOGITS [B, T, HQ, M]), else they are formed again from q, the state and the chunk's
-    keys."""
+    keys. Unless BCUM is None it gets each token's decay from the block's start, a_in, for the merged key kernel
+    (CONFIG["shared_row_decays"])."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
@@ -377,6 +400,9 @@ def _rows_kernel(
     # the row weights of the key passes
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
+    if BCUM is not None:  # (stored last: its offsets are not live through the kernel)
+        tl.store(BCUM + (pid_bh.to(tl.int64) * L + t)[:, None] * M + offs_m[None, :], a_in,
+                 mask=(tv & (r % GQ == 0))[:, None])
 
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D, BD, M, CQB, CSZ, GPREC, FACTORED_DECAY)
@@ -580,8 +606,8 @@ def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h,
         else:
             a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
             t, tv, causal, kw, wst, unused, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
-                                                              factored, cs0, blk * CQB, r, tok, hq, rok, T, W, HQ, GQ,
-                                                              M, CQB, CSZ, True, False, False)
+                                                              factored, cs0, blk * CQB, r, tok, hq, rok, T, W, None,
+                                                              HQ, GQ, M, CQB, CSZ, True, False, False)
             decay = tl.exp(a_in + a_ref[None, :])
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc = acc + dot_xb(tl.trans(wst * decay), y.to(tl.float32), SPREC)
@@ -648,7 +674,7 @@ def _keys_kernel(
         a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
         t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
             G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, blk * CQB, r, tok, hq, rok, T,
-            W, HQ, GQ, M, CQB, CSZ, SPREC, DO_K, DO_V)
+            W, None, HQ, GQ, M, CQB, CSZ, SPREC, DO_K, DO_V)
         if DO_K:
             acc_k += dot_xb(tl.trans(bk), _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c).to(tl.float32), SPREC)
         if DO_V:
@@ -664,7 +690,7 @@ def _keys_kernel(
 
 @triton.jit
 def _keys_merged_kernel(
-    Q, K, V, DO, WK, WV, RK, RV, G, MASK, E, DK, DV_, DVW, DA, XA, TOT,
+    Q, K, V, DO, WK, WV, RK, RV, G, MASK, E, DK, DV_, DVW, DA, XA, TOT, BCUM,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, M: tl.constexpr, CQB: tl.constexpr,
@@ -681,7 +707,9 @@ def _keys_merged_kernel(
     gates, each a reduction across the warps over the chunk's tokens. SIDES_APART (`keys_sides_apart`): each row
     block's Wv and its slot-weighted rows are loaded and formed after the key side's products, so the two sides'
     tiles are not live at once. REST_PRODUCT (`keys_rest_product`): the gates after each chunk token as one product
-    (`_keys_chunk`)."""
+    (`_keys_chunk`). BCUM (or None; CONFIG["shared_row_decays"]): each token's decay from its row block's start as
+    the rows kernel formed it, from which it loads its rows' decays and each block's end instead of a scan over the
+    rows and a row of the chunk's cumsum (reductions across the warps)."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end, rest = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M,
@@ -707,20 +735,25 @@ def _keys_merged_kernel(
     a_ref = tl.zeros([M], dtype=tl.float32)  # the chunk's summed gates before the block
     for blk in range(CSZ // CQB):
         off = blk * CQB
-        if CARRY_SPLIT:
+        a_in = None  # the rows' decays: formed by `_row_block` unless loaded here
+        if BCUM is not None:
+            a_blk, a_in = _shared_row_decays(BCUM, pid_bh, L, cs0, off, tok, rok, T, M, CQB)
+            a_last = a_ref + a_blk
+            factored, direct = _block_split_bounds(a_ref, a_last, off, CQB, CSZ, LIMIT)
+        elif CARRY_SPLIT:
             a_last, factored, direct = _carried_block_split(a, a_ref, off, CQB, CSZ, LIMIT)
         else:
             a_ref, factored, direct = _block_split(g, off, CQB, CSZ, LIMIT)
         if SIDES_APART:  # the value side's weights loaded and formed after the key side's work
             t, tv, causal, kw, wk, _, a_in = _row_block(G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored,
-                                                        cs0, off, r, tok, hq, rok, T, W, HQ, GQ, M, CQB, CSZ, True,
-                                                        False, True)
+                                                        cs0, off, r, tok, hq, rok, T, W, a_in, HQ, GQ, M, CQB, CSZ,
+                                                        True, False, True)
             bk, _ = _block_weights(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, causal, kw, a_in, wk, wk, direct, T,
                                    W, M, CQB, CSZ, GPREC, True, False)
         else:
             t, tv, causal, a_in, wk, wv, bk, bv = _key_block(
                 G, MASK, WK, WV, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, direct, cs0, off, r, tok, hq, rok, T,
-                W, HQ, GQ, M, CQB, CSZ, GPREC, True, True)
+                W, a_in, HQ, GQ, M, CQB, CSZ, GPREC, True, True)
         qb = _load_rows(Q, b, t, hq, tv, sq_b, sq_t, D, offs_c)
         acc_k += dot_xb(tl.trans(bk), qb.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(kc, tl.trans(qb), input_precision=PREC), wk, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
@@ -734,7 +767,7 @@ def _keys_merged_kernel(
         acc_v += dot_xb(tl.trans(bv), dob.to(tl.float32), GPREC)
         uv += _da_weights(tl.dot(vc, tl.trans(dob), input_precision=PREC), wv, G, MASK, b, h, sg_b, sg_t, sg_h, cs0,
                           off, tok, causal, a_in, a, a_ref, factored, direct, T, W, M, CQB, CSZ, SPREC)
-        if CARRY_SPLIT:
+        if CARRY_SPLIT or BCUM is not None:
             a_ref = a_last
     _store_keys(DK, acc_k, b, j, h, sk_b, sk_t, sk_h, offs_c, T, W)
     _store_tail(DK, None, b, h, sk_b, sk_t, sk_h, offs_c, cs0, T, W, CSZ, BD)
@@ -750,6 +783,19 @@ def _keys_merged_kernel(
 def launch_shape():
     """(row-block tokens, warps) of the slot backward: CONFIG["slot_bwd_block"], CONFIG["slot_bwd_warps"]."""
     return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
+
+
+def _merged_keys(p, columns):
+    """Whether `_keys_merged_kernel` does the key side (dk, dv and keys_da's UV) in one program per chunk: D == DV, all
+    D columns (`columns` per program) and all M slots in one program, CONFIG allowing it."""
+    bm = min(p.M, CONFIG.get("keys_da_slots") or p.M)
+    return (p.D == p.DV and CONFIG.get("slot_bwd_merge_keys", True) and bool(CONFIG["slot_bwd_keys_merged_warps"])
+            and columns == p.D and bm == p.M and not CONFIG["keys_da_rows_block"])
+
+
+def _columns(p):
+    """State columns per program of the state_grad and keys kernels (CONFIG["slot_bwd_columns"])."""
+    return min((CONFIG["slot_bwd_columns"] or (BD, None))[0], p.D, p.DV)
 
 
 def register_cap(kernel):
@@ -807,14 +853,18 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     rows_common = dict(common, CQB=rows_bq, BR=rows_br, num_warps=CONFIG["slot_bwd_rows_warps"] or warps,
                        num_stages=pipeline_stages(rows_br, max(D, DV)), **register_cap("rows"))
     # the column-split kernels (state_grad, keys): each program recomputes its row blocks' [rows, CS] weights
-    cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
-    cols = min(cols, D, DV)
+    cols, cols_warps = _columns(p), (CONFIG["slot_bwd_columns"] or (BD, None))[1]
+    one_key_kernel = _merged_keys(p, cols)  # (dk, dv and UV in one program per chunk)
+    # the rows kernel's row decays, for the merged key kernel (CONFIG["shared_row_decays"]; their blocks must agree)
+    shared = CONFIG["shared_row_decays"] and one_key_kernel and rows_bq == bq
+    row_decays = alloc(B, H, L, M, dtype=f32, device=dev) if shared else None
     grad_common = dict(common, BD=cols, num_warps=cols_warps or warps, **register_cap("state_grad"))
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     launch(
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        logits if logits is not None else lse, dq, dbr, E, wk, wv, *strides, T, W, n, L, float(scale), D=D, DV=DV,
+        logits if logits is not None else lse, dq, dbr, E, wk, wv, row_decays, *strides, T, W, n, L, float(scale),
+        D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
         DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), CUMSUM_SPLIT=CONFIG["rows_cumsum_split"],
         FACTORED_DECAY=CONFIG["factored_carry_decay"], **rows_common,
@@ -835,9 +885,6 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
                                                                          reverse_scan(cv, dec))
     merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
     bm = min(M, CONFIG.get("keys_da_slots") or M)
-    merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
-    # and the keys_da kernel's work too (not when keys_da should take the rows kernel's blocks)
-    one_key_kernel = merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]
     fold = dv_window is not None and one_key_kernel and CONFIG["fold_dv_sum"]
     dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
     dv = alloc(B, T, H, DV, dtype=p.v.dtype if fold else f32, device=dev)
@@ -850,11 +897,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         launch(
             "slot bwd keys merged", _keys_merged_kernel, (n, B * H),
             p.q, p.k, p.v, do, wk, wv, rk, rv, p.log_alpha, p.mask, E, dk, dv, dv_window if fold else None,
-            dA, xa, totals,
+            dA, xa, totals, row_decays,
             *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
             PREFETCH=keys_prefetch(p), CARRY_SPLIT=CONFIG["keys_carry_split"],
             SIDES_APART=CONFIG["keys_sides_apart"], REST_PRODUCT=CONFIG["keys_rest_product"],
-            **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
+            **dict(keys_launch, num_warps=CONFIG["slot_bwd_keys_merged_warps"], **register_cap("keys")),
         )
     else:
         for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:

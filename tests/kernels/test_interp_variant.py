@@ -85,6 +85,9 @@ CASES = [
     # the merged key kernel's gates after each chunk token as one product (the default since session 36; the
     # defaults' cases check it): the sum over the chunk's tokens, fp32 bounds-checked
     ("keys_rest_sum", (70, 8, 2, 64, 64, 5, 1, "float32", 2.0, "random", "left")),
+    # the merged key kernel's row decays loaded from the rows kernel's (a variant since session 36): 3 query heads per
+    # kv head (rows past the block's tokens), right padding and direct blocks (decay 8), fp32 bounds-checked
+    ("shared_row_decays", (90, 6, 2, 64, 64, 5, 2, "float32", 8.0, "random", "right")),
 ]
 
 
