@@ -191,6 +191,7 @@ def _shared_row_decays(BCUM, pid_bh, L, cs0, off, tok, rok, T, M: tl.constexpr, 
     a_blk = tl.load(BCUM + (base + end) * M + offs_m, mask=end + 0 * offs_m >= cs0 + off, other=0.0)
     t = cs0 + off + tok
     tv = rok & (t < T)
+    # (no `other`: a masked load with other=0.0 compiled to 240 more instructions, NOTES.md session 36)
     rows = tl.load(BCUM + (base + t)[:, None] * M + offs_m[None, :], mask=tv[:, None])
     return a_blk, tl.where(tv[:, None], rows, a_blk[None, :])
 
@@ -785,19 +786,6 @@ def launch_shape():
     return CONFIG.get("slot_bwd_block") or BQ, CONFIG.get("slot_bwd_warps") or 8
 
 
-def _merged_keys(p, columns):
-    """Whether `_keys_merged_kernel` does the key side (dk, dv and keys_da's UV) in one program per chunk: D == DV, all
-    D columns (`columns` per program) and all M slots in one program, CONFIG allowing it."""
-    bm = min(p.M, CONFIG.get("keys_da_slots") or p.M)
-    return (p.D == p.DV and CONFIG.get("slot_bwd_merge_keys", True) and bool(CONFIG["slot_bwd_keys_merged_warps"])
-            and columns == p.D and bm == p.M and not CONFIG["keys_da_rows_block"])
-
-
-def _columns(p):
-    """State columns per program of the state_grad and keys kernels (CONFIG["slot_bwd_columns"])."""
-    return min((CONFIG["slot_bwd_columns"] or (BD, None))[0], p.D, p.DV)
-
-
 def register_cap(kernel):
     """Launch options capping the registers per thread of the slot backward's `kernel` ("rows", "state_grad" or
     "keys", the merged key kernel) at CONFIG["slot_bwd_maxnreg"][kernel]: more programs per multiprocessor for
@@ -853,8 +841,13 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     rows_common = dict(common, CQB=rows_bq, BR=rows_br, num_warps=CONFIG["slot_bwd_rows_warps"] or warps,
                        num_stages=pipeline_stages(rows_br, max(D, DV)), **register_cap("rows"))
     # the column-split kernels (state_grad, keys): each program recomputes its row blocks' [rows, CS] weights
-    cols, cols_warps = _columns(p), (CONFIG["slot_bwd_columns"] or (BD, None))[1]
-    one_key_kernel = _merged_keys(p, cols)  # (dk, dv and UV in one program per chunk)
+    cols, cols_warps = CONFIG["slot_bwd_columns"] or (BD, None)
+    cols = min(cols, D, DV)
+    merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
+    bm = min(M, CONFIG.get("keys_da_slots") or M)
+    merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
+    # and the keys_da kernel's work too (not when keys_da should take the rows kernel's blocks)
+    one_key_kernel = merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]
     # the rows kernel's row decays, for the merged key kernel (CONFIG["shared_row_decays"]; their blocks must agree)
     shared = CONFIG["shared_row_decays"] and one_key_kernel and rows_bq == bq
     row_decays = alloc(B, H, L, M, dtype=f32, device=dev) if shared else None
@@ -883,8 +876,6 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         )
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),
                                                                          reverse_scan(cv, dec))
-    merged = D == DV and CONFIG.get("slot_bwd_merge_keys", True)  # dk and dv in one program
-    bm = min(M, CONFIG.get("keys_da_slots") or M)
     fold = dv_window is not None and one_key_kernel and CONFIG["fold_dv_sum"]
     dk = alloc(B, T, H, D, dtype=p.k.dtype, device=dev)
     dv = alloc(B, T, H, DV, dtype=p.v.dtype if fold else f32, device=dev)
@@ -901,7 +892,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
             *strides, T, W, n, L, D=D, PREC=p.prec, GPREC=gradient_precision("keys", sprec),
             PREFETCH=keys_prefetch(p), CARRY_SPLIT=CONFIG["keys_carry_split"],
             SIDES_APART=CONFIG["keys_sides_apart"], REST_PRODUCT=CONFIG["keys_rest_product"],
-            **dict(keys_launch, num_warps=CONFIG["slot_bwd_keys_merged_warps"], **register_cap("keys")),
+            **dict(keys_launch, num_warps=merged_warps, **register_cap("keys")),
         )
     else:
         for do_k, do_v, dx in [(True, True, D)] if merged else [(True, False, D), (False, True, DV)]:
