@@ -173,12 +173,14 @@ CONFIG = {
     # product of its gates with a strictly upper 0/1 matrix, not their sum over the chunk's tokens (a reduction across
     # the warps) less a: 5152 -> 5080 instructions (spills 32 -> 48 B); on the H200 the 32K step 6.246-6.255 ->
     # 6.198-6.230 ms (four alternations, NOTES.md sessions 35-36)
-    "shared_row_decays": False,  # the slot backward's rows kernel stores each token's decay from its row block's start
-    # ([B, H, T, M] fp32, formed there anyway) and the merged key kernel (with the same blocks) loads its rows' decays
-    # and its blocks' ends from it instead of a scan over the rows and a row of the chunk's cumsum (reductions across
-    # the warps): on the H200 at 32K the merged key kernel 1.53 -> 1.47 ms, but the rows kernel 1.09 -> 1.13, the step
+    "shared_row_decays": False,  # a slot-backward kernel that forms each token's decay from its row block's start
+    # stores them ([B, H, T, M] fp32), "rows" the rows kernel or "state_grad" the state_grad kernel (a second product
+    # of the gates there), and the merged key kernel (with the same blocks) loads its rows' decays and its blocks'
+    # ends from it instead of a scan over the rows and a row of the chunk's cumsum (reductions across the warps): on
+    # the H200 at 32K with "rows" the merged key kernel 1.53 -> 1.47 ms, but the rows kernel 1.09 -> 1.13, the step
     # 6.23-6.26 against 6.23-6.25 (the chunk update as the store's producer instead: +0.044 ms there, the step the
-    # same; NOTES.md session 36)
+    # same; NOTES.md session 36); with "state_grad" merged keys 1.48, state_grad 0.506 -> 0.536, the step
+    # 6.24-6.26 against 6.25-6.26 (session 37)
     "state_grad_chunk_decay": True,  # the state_grad kernel forms each row's decay from the chunk's start in one
     # product of the chunk's gates (`_row_decay`; 64 slots or more), not from its block's start plus the gates before
     # the block (a reduction across the warps over the chunk's tokens per block): 2112 -> 1840 instructions, no
@@ -290,7 +292,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_decays_early": dict(fwd_decays_late=False),  # the default before session 35
     "state_grad_block_decay": dict(state_grad_chunk_decay=False),  # the default before session 35
     "keys_rest_sum": dict(keys_rest_product=False),  # the default before session 36
-    "shared_row_decays": dict(shared_row_decays=True),
+    "shared_row_decays": dict(shared_row_decays="rows"),
+    "grad_row_decays": dict(shared_row_decays="state_grad"),
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

@@ -170,8 +170,11 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     keys-side kernels' default launch, the last the rows kernel's (CONFIG["slot_bwd_rows_block"] / "_warps")."""
     G = HQ // H
     pow2 = triton.next_power_of_2
-    # the rows kernel's row decays, which the merged key kernel loads (CONFIG["shared_row_decays"]): a pointer
-    shared = {} if config.CONFIG["shared_row_decays"] else dict(BCUM=None)
+    # the row decays the merged key kernel loads, from the rows or the state_grad kernel (CONFIG["shared_row_decays"]):
+    # a pointer in the producer and the key kernel
+    producer = config.CONFIG["shared_row_decays"]
+    shared = {} if producer else dict(BCUM=None)
+    shared_by = lambda kernel: {} if producer == kernel else dict(BCUM=None)  # noqa: E731
 
     def constants(bq, sprec, columns):  # at the training chunk (the slot backward runs only in training)
         return dict(HQ=HQ, H=H, GQ=G, M=M, CQB=bq, CSZ=config.CONFIG["train_chunk"] or cf.inference_chunk(G),
@@ -185,14 +188,15 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         keys = dict(common, SPREC=slot_bwd.gradient_precision("keys", sprec))  # its products form only dk and dv
         stages = slot_bwd.pipeline_stages(common["BR"], D)
         tag = f"block={bq} {sprec}"
-        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", **shared,
+        rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", **shared_by("rows"),
                     DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), CUMSUM_SPLIT=config.CONFIG["rows_cumsum_split"],
                     FACTORED_DECAY=config.CONFIG["factored_carry_decay"], **rows_grads)
         out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
                 (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
                  stages),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel,
-                 dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"]), warps, stages),
+                 dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"], **shared_by("state_grad")),
+                 warps, stages),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(keys, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,
@@ -208,7 +212,8 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
     for warps in (4, 8):
         tag = f"block={bq} {sprec} columns={min(128, D)}"
         out += [(f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel,
-                 dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"]), warps, stages),
+                 dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"], **shared_by("state_grad")),
+                 warps, stages),
                 (f"slot bwd keys (dk+dv) {tag}", slot_bwd._keys_kernel,
                  dict(keys, D=D, DV=D, DO_K=True, DO_V=True), warps, stages),
                 (f"slot bwd keys (dk only) {tag}", slot_bwd._keys_kernel,  # CONFIG["slot_bwd_merge_keys"] False

@@ -181,10 +181,11 @@ def _row_block(G, MASK, WA, WB, b, h, sg_b, sg_t, sg_h, a, s, a_ref, factored, c
 
 @triton.jit
 def _shared_row_decays(BCUM, pid_bh, L, cs0, off, tok, rok, T, M: tl.constexpr, CQB: tl.constexpr):
-    """The rows kernel's row decays for the block at chunk offset off (BCUM [B * H, L, M]: each token's decay from
-    its block's start; CONFIG["shared_row_decays"]): the block's own decay a_blk [M], to its last token before T
-    (the gates after it are zeros; zeros for a block after the stream's end), and its rows' [rows, M], a_blk in
-    the rows after the stream's end, as a scan over the block gives them (so exp(a_in - a_j) stays <= 1 there)."""
+    """The row decays of the rows or the state_grad kernel for the block at chunk offset off (BCUM [B * H, L, M]:
+    each token's decay from its block's start; CONFIG["shared_row_decays"]): the block's own decay a_blk [M], to its
+    last token before T (the gates after it are zeros; zeros for a block after the stream's end), and its rows'
+    [rows, M], a_blk in the rows after the stream's end, as a scan over the block gives them (so exp(a_in - a_j)
+    stays <= 1 there)."""
     offs_m = tl.arange(0, M)
     base = pid_bh.to(tl.int64) * L
     end = tl.minimum(cs0 + off + CQB, T) - 1
@@ -194,6 +195,14 @@ def _shared_row_decays(BCUM, pid_bh, L, cs0, off, tok, rok, T, M: tl.constexpr, 
     # (no `other`: a masked load with other=0.0 compiled to 240 more instructions, NOTES.md session 36)
     rows = tl.load(BCUM + (base + t)[:, None] * M + offs_m[None, :], mask=tv[:, None])
     return a_blk, tl.where(tv[:, None], rows, a_blk[None, :])
+
+
+@triton.jit
+def _store_row_decays(BCUM, a_in, pid_bh, L, t, first_row, M: tl.constexpr):
+    """Each token's decay from its row block's start, a_in [rows, M], into BCUM [B * H, L, M] from its first head's
+    row (`first_row`), for `_shared_row_decays`."""
+    offs = (pid_bh.to(tl.int64) * L + t)[:, None] * M + tl.arange(0, M)[None, :]
+    tl.store(BCUM + offs, a_in, mask=first_row[:, None])
 
 
 @triton.jit
@@ -402,8 +411,7 @@ def _rows_kernel(
     tl.store(WK + lrow[:, None] * M + offs_m[None, :], wk, mask=tv[:, None])
     tl.store(WV + lrow[:, None] * M + offs_m[None, :], p, mask=tv[:, None])
     if BCUM is not None:  # (stored last: its offsets are not live through the kernel)
-        tl.store(BCUM + (pid_bh.to(tl.int64) * L + t)[:, None] * M + offs_m[None, :], a_in,
-                 mask=(tv & (r % GQ == 0))[:, None])
+        _store_row_decays(BCUM, a_in, pid_bh, L, t, tv & (r % GQ == 0), M)
 
     _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow, st, jr, tv, b, h, sg_b, sg_t, sg_h,
              cs0, off, tok, T, W, D, BD, M, CQB, CSZ, GPREC, FACTORED_DECAY)
@@ -587,14 +595,16 @@ def _log_alpha_grad(p, dA, xa, totals):
 
 
 @triton.jit
-def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
-                      HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
+def _state_grad_chunk(Y, WST, G, MASK, BCUM, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, L, pid_bh, b, h, cs0, offs_c, g,
+                      a, s, HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
                       CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
                       LIMIT: tl.constexpr, CHUNK_DECAY: tl.constexpr):
     """sum over the chunk's rows u of (W_u exp(a_u))^T Y_u[cols]: [M, BD]. With CHUNK_DECAY and at least 64 slots
     each row block's a_u come from the chunk's start in one product of its gates (`_row_decay`'s product form: no
     reduction across the warps); else from the block's start plus the gates before it, a_ref (`_block_split`'s sum
-    over the chunk's tokens; `_row_decay`'s scan form, below 64 slots, covers only the block's rows)."""
+    over the chunk's tokens; `_row_decay`'s scan form, below 64 slots, covers only the block's rows).
+    Unless BCUM is None it gets each token's decay from its block's start (`_row_decay` as the rows kernel forms
+    it) for the merged key kernel (CONFIG["shared_row_decays"] "state_grad")."""
     r, tok, hq, rok = _row_lanes(h, GQ, CQB, BR)
     acc = tl.zeros([M, BD], dtype=tl.float32)
     for blk in range(CSZ // CQB):
@@ -604,12 +614,17 @@ def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h,
             wst = _load_rows(WST, b, t, hq, tv, T * HQ * M, HQ * M, M, tl.arange(0, M))  # ([B, T, HQ, M])
             decay = tl.exp(_row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0, blk * CQB + tok, tv & (r % GQ == 0), T,
                                       W, CSZ, M, M, False))
+            if BCUM is not None:
+                a_in = _row_decay(G, MASK, b, h, sg_b, sg_t, sg_h, cs0 + blk * CQB, tok, tv & (r % GQ == 0), T, W,
+                                  CQB, M, M, False)
         else:
             a_ref, factored, direct = _block_split(g, blk * CQB, CQB, CSZ, LIMIT)
             t, tv, causal, kw, wst, unused, a_in = _row_block(G, MASK, WST, WST, b, h, sg_b, sg_t, sg_h, a, s, a_ref,
                                                               factored, cs0, blk * CQB, r, tok, hq, rok, T, W, None,
                                                               HQ, GQ, M, CQB, CSZ, True, False, False)
             decay = tl.exp(a_in + a_ref[None, :])
+        if BCUM is not None:
+            _store_row_decays(BCUM, a_in, pid_bh, L, t, tv & (r % GQ == 0), M)
         y = _load_rows(Y, b, t, hq, tv, sy_b, sy_t, DX, offs_c)
         acc = acc + dot_xb(tl.trans(wst * decay), y.to(tl.float32), SPREC)
     return acc
@@ -617,8 +632,8 @@ def _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h,
 
 @triton.jit
 def _state_grad_kernel(
-    Y, WST, Y2, WST2, G, MASK, C_OUT,
-    sy_b, sg_b, T, W, NCH,
+    Y, WST, Y2, WST2, G, MASK, C_OUT, BCUM,
+    sy_b, sg_b, T, W, NCH, L,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, DX: tl.constexpr, M: tl.constexpr,
     CQB: tl.constexpr, CSZ: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SPREC: tl.constexpr,
     LIMIT: tl.constexpr, CHUNK_DECAY: tl.constexpr,
@@ -627,19 +642,19 @@ def _state_grad_kernel(
     log gates through u: the chunk's contribution to the gradient w.r.t. the state before it (CK with
     (q, Wk), CV with (dO, Wv)). Program axis 2 runs over the column blocks of (Y, WST), then (if it is twice as
     long) of (Y2, WST2), whose results follow in C_OUT (both state gradients in one launch). Y and Y2: [B, T, HQ,
-    DX] (q or dO)."""
+    DX] (q or dO). BCUM: as `_state_grad_chunk`'s."""
     sy_t, sg_t, sg_h = HQ * DX, H * M, M  # contiguous layouts (as `_token_strides`)
     c, pid_bh, b, h, cs0, offs_c, g, a, j, _, s, to_end, _ = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M, CSZ,
                                                                          BD, False)
     NDB: tl.constexpr = DX // BD
     stream = tl.program_id(2) // NDB
     offs_c = offs_c - stream * DX  # _keys_chunk's columns count over both streams
-    if stream == 0:
-        acc = _state_grad_chunk(Y, WST, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
-                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT, CHUNK_DECAY)
+    if stream == 0:  # (the first stream's programs store the row decays, where BCUM is given)
+        acc = _state_grad_chunk(Y, WST, G, MASK, BCUM, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, L, pid_bh, b, h, cs0,
+                                offs_c, g, a, s, HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT, CHUNK_DECAY)
     else:
-        acc = _state_grad_chunk(Y2, WST2, G, MASK, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, b, h, cs0, offs_c, g, a, s,
-                                HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT, CHUNK_DECAY)
+        acc = _state_grad_chunk(Y2, WST2, G, MASK, None, sy_b, sy_t, sg_b, sg_t, sg_h, T, W, L, pid_bh, b, h, cs0,
+                                offs_c, g, a, s, HQ, H, GQ, DX, M, CQB, CSZ, BR, BD, SPREC, LIMIT, CHUNK_DECAY)
     offs_m = tl.arange(0, M)
     out = (stream * tl.num_programs(1) + pid_bh).to(tl.int64) * NCH + c
     tl.store(C_OUT + out * M * DX + offs_m[:, None] * DX + offs_c[None, :], acc)
@@ -709,7 +724,7 @@ def _keys_merged_kernel(
     block's Wv and its slot-weighted rows are loaded and formed after the key side's products, so the two sides'
     tiles are not live at once. REST_PRODUCT (`keys_rest_product`): the gates after each chunk token as one product
     (`_keys_chunk`). BCUM (or None; CONFIG["shared_row_decays"]): each token's decay from its row block's start as
-    the rows kernel formed it, from which it loads its rows' decays and each block's end instead of a scan over the
+    the rows kernel (or the state_grad kernel) formed it, from which it loads its rows' decays and each block's end instead of a scan over the
     rows and a row of the chunk's cumsum (reductions across the warps)."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
@@ -848,15 +863,19 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     merged_warps = CONFIG["slot_bwd_keys_merged_warps"]
     # and the keys_da kernel's work too (not when keys_da should take the rows kernel's blocks)
     one_key_kernel = merged and merged_warps and cols == D and bm == M and not CONFIG["keys_da_rows_block"]
-    # the rows kernel's row decays, for the merged key kernel (CONFIG["shared_row_decays"]; their blocks must agree)
-    shared = CONFIG["shared_row_decays"] and one_key_kernel and rows_bq == bq
-    row_decays = alloc(B, H, L, M, dtype=f32, device=dev) if shared else None
+    # the row decays the merged key kernel loads, from the rows kernel or the state_grad kernel
+    # (CONFIG["shared_row_decays"]; the producer's row blocks must be the key kernel's)
+    producer = CONFIG["shared_row_decays"] if one_key_kernel else None
+    if producer == "rows" and rows_bq != bq:
+        producer = None
+    row_decays = alloc(B, H, L, M, dtype=f32, device=dev) if producer else None
     grad_common = dict(common, BD=cols, num_warps=cols_warps or warps, **register_cap("state_grad"))
     keys_launch = dict(keys_common, BD=cols, num_warps=cols_warps or keys_common["num_warps"])
     launch(
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        logits if logits is not None else lse, dq, dbr, E, wk, wv, row_decays, *strides, T, W, n, L, float(scale),
+        logits if logits is not None else lse, dq, dbr, E, wk, wv, row_decays if producer == "rows" else None,
+        *strides, T, W, n, L, float(scale),
         D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
         DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), CUMSUM_SPLIT=CONFIG["rows_cumsum_split"],
@@ -868,10 +887,11 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
                                                       alloc(B, H, n, M, DV, dtype=f32, device=dev))
     state_grads = [(both, (p.q, wk, do, wv), D, 2)] if both is not None else [
         (ck, (p.q, wk, p.q, wk), D, 1), (cv, (do, wv, do, wv), DV, 1)]  # one launch for both, or one each
-    for out, (y, wst, y2, wst2), dx, streams in state_grads:
+    for i, (out, (y, wst, y2, wst2), dx, streams) in enumerate(state_grads):
         launch(
             "slot bwd state_grad", _state_grad_kernel, (n, B * H, streams * dx // cols),
-            y, wst, y2, wst2, p.log_alpha, p.mask, out, y.stride(0), p.log_alpha.stride(0), T, W, n, DX=dx,
+            y, wst, y2, wst2, p.log_alpha, p.mask, out, row_decays if producer == "state_grad" and i == 0 else None,
+            y.stride(0), p.log_alpha.stride(0), T, W, n, L, DX=dx,
             CHUNK_DECAY=CONFIG["state_grad_chunk_decay"], **grad_common,
         )
     rk, rv = reverse_scan(both, dec).unbind(0) if both is not None else (reverse_scan(ck, dec),

@@ -88,6 +88,10 @@ CASES = [
     # the merged key kernel's row decays loaded from the rows kernel's (a variant since session 36): 3 query heads per
     # kv head (rows past the block's tokens), right padding and direct blocks (decay 8), fp32 bounds-checked
     ("shared_row_decays", (90, 6, 2, 64, 64, 5, 2, "float32", 8.0, "random", "right")),
+    # ... from the state_grad kernel (a variant since session 37): the same case; below 64 slots (the block split's
+    # decays), bf16 under decay 8
+    ("grad_row_decays", (90, 6, 2, 64, 64, 5, 2, "float32", 8.0, "random", "right")),
+    ("grad_row_decays+state_grad_block_decay", (90, 4, 2, 64, 32, 5, 2, "bfloat16", 8.0, "real_like", "right")),
 ]
 
 
