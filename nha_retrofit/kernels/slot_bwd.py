@@ -724,8 +724,8 @@ def _keys_merged_kernel(
     block's Wv and its slot-weighted rows are loaded and formed after the key side's products, so the two sides'
     tiles are not live at once. REST_PRODUCT (`keys_rest_product`): the gates after each chunk token as one product
     (`_keys_chunk`). BCUM (or None; CONFIG["shared_row_decays"]): each token's decay from its row block's start as
-    the rows kernel (or the state_grad kernel) formed it, from which it loads its rows' decays and each block's end instead of a scan over the
-    rows and a row of the chunk's cumsum (reductions across the warps)."""
+    the rows kernel (or the state_grad kernel) formed it, from which it loads its rows' decays and each block's end
+    instead of a scan over the rows and a row of the chunk's cumsum (reductions across the warps)."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, D)
     sg_t, sg_h = H * M, M
     c, pid_bh, b, h, cs0, offs_c, g, a, j, jr, s, to_end, rest = _keys_chunk(G, MASK, sg_b, sg_t, sg_h, T, W, H, M,
@@ -875,8 +875,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
         logits if logits is not None else lse, dq, dbr, E, wk, wv, row_decays if producer == "rows" else None,
-        *strides, T, W, n, L, float(scale),
-        D=D, DV=DV,
+        *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
         DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), CUMSUM_SPLIT=CONFIG["rows_cumsum_split"],
         FACTORED_DECAY=CONFIG["factored_carry_decay"], **rows_common,
