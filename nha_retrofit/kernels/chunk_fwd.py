@@ -63,9 +63,10 @@ def launched(name):
 
 
 def alloc(*shape, dtype, device):
-    """torch.empty, or NaN-filled when POISON is set."""
+    """torch.empty, or when POISON is set NaN-filled (integers: their dtype's least value, which no kernel stores)."""
     if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
@@ -504,13 +505,36 @@ def _column_halves(x, BR: tl.constexpr, BDS: tl.constexpr):
 
 
 @triton.jit
+def _residual_shift(o):
+    """Bits an int8 rounding residual of `o` (bf16/fp16 as stored) drops from the fp32 bit patterns' difference:
+    half of o's spacing is 2^15 (bf16) or 2^12 (fp16) fp32 units in the last place, so the shifted difference fits
+    int8 (the tie's +128 clamped) to 2^-15 of o (bf16)."""
+    return 8 if o.dtype == tl.bfloat16 else 5
+
+
+@triton.jit
 def _store_rounded(O, ORES, o_off, cols, out, tv):
-    """o[:, cols] = out rounded to o's dtype, and with ORES the rounding residual (o + residual ~ out)."""
+    """o[:, cols] = out rounded to o's dtype, and with ORES the rounding residual (o + residual ~ out): in ORES's
+    dtype, or in int8 as the difference of out's and o's fp32 bit patterns shifted by `_residual_shift`
+    (CONFIG["int8_residual"]; `_with_residual` adds it back)."""
     rounded = out.to(O.dtype.element_ty)
     tl.store(O + o_off[:, None] + cols[None, :], rounded, mask=tv[:, None])
     if ORES is not None:
-        residual = (out - rounded.to(tl.float32)).to(ORES.dtype.element_ty)
-        tl.store(ORES + o_off[:, None] + cols[None, :], residual, mask=tv[:, None])
+        if ORES.dtype.element_ty == tl.int8:  # the fp32 bit patterns' difference (same sign: monotonic), shifted
+            units = out.to(tl.int32, bitcast=True) - rounded.to(tl.float32).to(tl.int32, bitcast=True)
+            residual = tl.minimum(tl.maximum(units >> _residual_shift(rounded), -127), 127)
+        else:
+            residual = out - rounded.to(tl.float32)
+        tl.store(ORES + o_off[:, None] + cols[None, :], residual.to(ORES.dtype.element_ty), mask=tv[:, None])
+
+
+@triton.jit
+def _with_residual(o, residual):
+    """The fp32 output from `o` as stored and its rounding residual as `_store_rounded` stored it."""
+    if residual.dtype == tl.int8:
+        out = (o.to(tl.float32).to(tl.int32, bitcast=True) + (residual.to(tl.int32) << _residual_shift(o)))
+        return out.to(tl.float32, bitcast=True)
+    return o.to(tl.float32) + residual.to(tl.float32)
 
 
 @triton.jit
@@ -953,7 +977,9 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     store_logits = has_slots and keep_logits and CONFIG["save_logits"]
     logits = alloc(B, T, HQ, M, dtype=torch.float32, device=dev) if store_logits else None
-    residual = alloc(B, T, HQ, DV, dtype=o.dtype, device=dev) if exact_output and o.dtype != torch.float32 else None
+    residual = None
+    if exact_output and o.dtype != torch.float32:
+        residual = alloc(B, T, HQ, DV, dtype=torch.int8 if CONFIG["int8_residual"] else o.dtype, device=dev)
     cq = fwd_block(G, p.cs)
     assert p.cs % cq == 0, "the fused forward's query blocks must divide the chunk"
     BR = max(16, next_power_of_2(cq * G))

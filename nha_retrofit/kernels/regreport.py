@@ -35,7 +35,7 @@ from .asm_stats import instruction_mix, product_kinds
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 BF, F32, I32, I8 = "*bf16", "*fp32", "*i32", "*i8"
-POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, ORES=BF, WK=F32, WV=F32,
+POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, O=BF, WK=F32, WV=F32,
                 WKR=BF, WLA=F32, MASK=I32, FIRST=I32, FILLED0=I32, WMASK=I8, FILLED=I8, BIAS=F32, SK=F32, SV=F32,
                 NSK=F32, NSV=F32,
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
@@ -52,7 +52,7 @@ DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOK
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, sass=False):
     """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error); maxnreg: a register cap; sass:
     with its static instruction counts (`asm_stats.MIX`, and all instructions) and its products' kinds."""
-    ptrs = dict(POINTERS, **(pointers or {}))
+    ptrs = dict(POINTERS, ORES=I8 if config.CONFIG["int8_residual"] else BF, **(pointers or {}))  # o's residual
     floats = ("scale", "inv_tau")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
     # as a launch at T = 32768 specializes them: every pointer and integer divisible by 16 (without it Triton does

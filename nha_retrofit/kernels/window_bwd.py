@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import chunk_fwd, config
-from .chunk_fwd import _query_rows, _real, _row_stats, _token_strides
+from .chunk_fwd import _query_rows, _real, _row_stats, _token_strides, _with_residual
 from .fast_launch import cdiv, next_power_of_2
 
 CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
@@ -49,10 +49,10 @@ def _dq_kernel(
     do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
     if O is not None:  # its loads go out with q_rope's and dO's (0.035 ms less per 32K step than column passes
         # before them, NOTES.md session 21)
-        out = tl.load(O + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0).to(tl.float32)
+        out = tl.load(O + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
         if ORES is not None:
-            out += tl.load(ORES + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0).to(tl.float32)
-        delta = tl.sum(do.to(tl.float32) * out, 1)
+            out = _with_residual(out, tl.load(ORES + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0))
+        delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
         tl.store(DELTA + lrow, delta, mask=tv)
     dq = tl.zeros([BR, D], dtype=tl.float32)
     dsum = tl.zeros([BR], dtype=tl.float32)

@@ -202,6 +202,33 @@ def test_training_step_replays_from_a_cuda_graph(monkeypatch, case):
         assert torch.equal(got, want), f"{name}: the graph replay differs from the eager step"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_residual_reconstructs_the_fp32_output(dtype, monkeypatch):
+    """A training forward's output o and its int8 rounding residual (CONFIG["int8_residual"]: the fp32 output's and
+    o's bit patterns' difference, shifted 8 bits for bf16 and 5 for fp16) give back the fp32 output that o and a
+    residual in o's dtype give, to 2^-14 of o (2^-15 and 2^-18 from each), with o itself the same; below fp16's
+    smallest normal (2^-14) to its subnormals' spacing, 2^-24, which the int8 residual does not resolve."""
+    T, HQ, H, D, M, window = 1000, 9, 3, 64, 32, 40
+    inputs = cuda_inputs(T, HQ, H, D, M, dtype, 2)
+    x = [inputs[n].to(dtype) for n in NAMES]
+    mask = padding_mask(2, T, "left").cuda()
+    outputs = {}
+    for int8 in (False, True):
+        monkeypatch.setitem(config.CONFIG, "int8_residual", int8)
+        prep = chunk_fwd.Prepared(*x[:6], window, mask, x[6], training=True)
+        o, _, _, residual = chunk_fwd.forward(prep, inputs["scale"], True, keep_logits=True, exact_output=True)
+        if int8:
+            shift = 8 if dtype == torch.bfloat16 else 5
+            full = (o.float().view(torch.int32) + (residual.to(torch.int32) << shift)).view(torch.float32)
+        else:
+            full = o.float() + residual.float()
+        outputs[int8] = o, full
+    (o_wide, full_wide), (o_int8, full_int8) = outputs[False], outputs[True]
+    assert torch.equal(o_int8, o_wide)
+    assert ((full_int8 - full_wide).abs() <= 2**-14 * o_wide.float().abs() + 2**-24).all()
+    assert not torch.equal(full_int8, o_int8.float()), "the residual must carry the output's low bits"
+
+
 def test_gradient_checkpointing_frees_what_the_backward_reads():
     """Under non-reentrant activation checkpointing the operator holds nothing after the forward (every tensor its
     backward reads, the forward's slot states included, goes through save_for_backward, whose hooks the checkpoint
@@ -468,7 +495,7 @@ VARIANTS = {name: config.variant_overrides(name) for name in (  # the defaults a
     "overlap_dkv", "dv_sum_apart", "overlap_dkv+dv_sum_apart", "no_prefetch", "prefetch_window", "bwd_grads_bf16x3",
     "no_keys_prefetch", "no_keys_carry_split", "no_fwd_whole_chunk_split",
     "no_rows_cumsum_split", "no_factored_carry_decay", "keys_sides_together", "fwd_decays_early",
-    "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays")}
+    "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays", "bf16_residual")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
