@@ -158,7 +158,7 @@ CONFIG = {
     # 6.60-6.62 ms on the H200 (NOTES.md, sessions 32-33)
     "int8_residual": True,  # the training forward's rounding residual of o (delta_from_output) in int8, not o's
     # dtype: the difference of the fp32 output's and o's bit patterns, shifted (`chunk_fwd._residual_shift`; to 2^-15
-    # of o in bf16, where a bf16 residual keeps ~2^-16): half its bytes, written by the forward and read by the window
+    # of o in bf16, where a bf16 residual keeps ~2^-18): half its bytes, written by the forward and read by the window
     # dq kernel. On the H200 side by side the 32K step 6.18-6.21 -> 6.05-6.10 ms (training forward 1.333 -> 1.254,
     # window dq 0.467 -> 0.421; NOTES.md session 38)
     "rows_cumsum_split": True,  # the rows kernel's block split from two rows of the gates' cumsum, not two sums of

@@ -37,7 +37,8 @@ def _dq_kernel(
 ):
     """dq_rope of the window part; with DELTA_ONLY, instead DELTA[row] = sum_j p_j (dO . v_j) (its window
     share of an exact delta = sum P * dP; the slot backward adds the slot share). With O (the forward's output,
-    ORES its rounding residual or None), first DELTA[row] = rowsum(dO * (O + ORES)), the whole delta."""
+    ORES its rounding residual or None: `chunk_fwd._with_residual`), first DELTA[row] = rowsum(dO * O), the whole
+    delta."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
     offs_d = tl.arange(0, D)
