@@ -554,8 +554,8 @@ def _fwd_kernel(
     scaled slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads
     instead of forming them again. With ORES (a training forward in bf16/fp16) the weights' products with the input
     values are split (`_weights_values`) and ORES gets o's rounding residual (`_store_rounded`): o with it is the
-    fp32 output, from which the backward takes delta = rowsum(dO * O). With CK (CV, DCUM, NSEG, KSEG) the states SK, SV are segment-local
-    (`local_slot_states`): CK and CV hold the states before each segment of KSEG chunks."""
+    fp32 output, from which the backward takes delta = rowsum(dO * O). With CK (CV, DCUM, NSEG, KSEG) the states SK,
+    SV are segment-local (`local_slot_states`): CK and CV hold the states before each segment of KSEG chunks."""
     SPLIT: tl.constexpr = ORES is not None
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
@@ -957,9 +957,9 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     the slot backward can reuse: (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and
     CONFIG["save_logits"], else None) the scaled slot logits before the bias [B, T, HQ, M] fp32; and o's rounding
     residual: with `exact_output` and bf16/fp16 inputs, o with it (`_with_residual`) is the fp32 output formed from
-    unrounded weights (else None). Without `keep_logits` the states take the segment-local form where `state_segment` gives a segment
-    (`local_slot_states`), and then (Ck, Cv, None, None) come back: the states before each segment. Either way
-    [:, :, -1] of the first two is the final state."""
+    unrounded weights (else None). Without `keep_logits` the states take the segment-local form where `state_segment`
+    gives a segment (`local_slot_states`), and then (Ck, Cv, None, None) come back: the states before each segment.
+    Either way [:, :, -1] of the first two is the final state."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
