@@ -839,8 +839,9 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    # (recomputed when not kept)
-    sk, sv, dec, logits, logits_res, logits_max = states if states is not None else (*kv_states(p), None, None, None)
+    # the forward's states and logits, or the states recomputed (the rows kernel then forms the logits again)
+    kept = states if states is not None else (*kv_states(p), None, None, None)
+    sk, sv, dec, logits, logits_residual, logits_max = kept
     bq, warps = launch_shape()
     BR = max(16, next_power_of_2(bq * G))
     rows_bq = CONFIG["slot_bwd_rows_block"] or bq  # the rows kernel's blocks are independent of the others'
@@ -878,7 +879,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     launch(
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        logits if logits is not None else lse, logits_res, logits_max, dq, dbr, E, wk, wv,
+        logits if logits is not None else lse, logits_residual, logits_max, dq, dbr, E, wk, wv,
         row_decays if producer == "rows" else None,
         *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
