@@ -513,19 +513,19 @@ def _residual_shift(o):
 
 
 @triton.jit
-def _store_rounded(O, ORES, o_off, cols, out, mask):
-    """o[:, cols] = out rounded to o's dtype (where `mask`), and with ORES the rounding residual (o + residual ~ out):
-    in ORES's dtype, or in int8 as the difference of out's and o's fp32 bit patterns shifted by `_residual_shift`
-    (CONFIG["int8_residual"], "compact_logits"; `_with_residual` adds it back)."""
+def _store_rounded(O, ORES, o_off, cols, out, tv):
+    """o[:, cols] = out rounded to o's dtype, and with ORES the rounding residual (o + residual ~ out): in ORES's
+    dtype, or in int8 as the difference of out's and o's fp32 bit patterns shifted by `_residual_shift`
+    (CONFIG["int8_residual"]; `_with_residual` adds it back)."""
     rounded = out.to(O.dtype.element_ty)
-    tl.store(O + o_off[:, None] + cols[None, :], rounded, mask=mask)
+    tl.store(O + o_off[:, None] + cols[None, :], rounded, mask=tv[:, None])
     if ORES is not None:
         if ORES.dtype.element_ty == tl.int8:  # the fp32 bit patterns' difference (same sign: monotonic), shifted
             units = out.to(tl.int32, bitcast=True) - rounded.to(tl.float32).to(tl.int32, bitcast=True)
             residual = tl.minimum(tl.maximum(units >> _residual_shift(rounded), -127), 127)
         else:
             residual = out - rounded.to(tl.float32)
-        tl.store(ORES + o_off[:, None] + cols[None, :], residual.to(ORES.dtype.element_ty), mask=mask)
+        tl.store(ORES + o_off[:, None] + cols[None, :], residual.to(ORES.dtype.element_ty), mask=tv[:, None])
 
 
 @triton.jit
@@ -539,7 +539,7 @@ def _with_residual(o, residual):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, CK, CV, DCUM, O, ORES, LSE, LOGITS, LRES, LMAX,
+    Q, K, V, QR, KR, G, MASK, FIRST, FILLED0, BIAS, SK, SV, CK, CV, DCUM, O, ORES, LSE, LOGITS,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, NSEG, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, M: tl.constexpr,
@@ -552,13 +552,10 @@ def _fwd_kernel(
     """o and the joint log-sum-exp of a block of query rows (module docstring; LSE None for a forward without a
     backward: storing it cost 0.06 ms per 32K forward on the H200, NOTES.md session 30); with STORE_LOGITS also the
     scaled slot logits before the bias, LOGITS [B, T, HQ, M] fp32, which the slot backward's rows kernel then loads
-    instead of forming them again; with LRES (CONFIG["compact_logits"]) instead each logit with the bias less its
-    row's running maximum (0 where a row reads no slot) in LOGITS' dtype with its int8 rounding residual in LRES
-    (`_store_rounded`), and that maximum less the bias in LMAX [B, T, HQ] fp32: their sum is the logit. With ORES (a
-    training forward in bf16/fp16) the weights' products with the input values are split (`_weights_values`) and ORES
-    gets o's rounding residual (`_store_rounded`): o with it is the fp32 output, from which the backward takes delta =
-    rowsum(dO * O). With CK (CV, DCUM, NSEG, KSEG) the states SK, SV are segment-local (`local_slot_states`): CK and CV
-    hold the states before each segment of KSEG chunks."""
+    instead of forming them again. With ORES (a training forward in bf16/fp16) the weights' products with the input
+    values are split (`_weights_values`) and ORES gets o's rounding residual (`_store_rounded`): o with it is the
+    fp32 output, from which the backward takes delta = rowsum(dO * O). With CK (CV, DCUM, NSEG, KSEG) the states SK,
+    SV are segment-local (`local_slot_states`): CK and CV hold the states before each segment of KSEG chunks."""
     SPLIT: tl.constexpr = ORES is not None
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
@@ -654,7 +651,7 @@ def _fwd_kernel(
                                                    a_in, tok >= jj, M, MT)
                 x_in += tl.sum(tl.where(offs_u[None, :] == off + jj, qk, 0.0), 1)[:, None] * e_j * s_j[None, :]
         logits = (x_in + x_car * e_car) * scale
-        if STORE_LOGITS and LRES is None:
+        if STORE_LOGITS:
             l_off = ((b * T + t).to(tl.int64) * HQ + hq)[:, None] * M + offs_m[None, :]
             tl.store(LOGITS + l_off, logits, mask=tv[:, None] & slots[None, :])
         bias = tl.load(BIAS + hq, mask=tv, other=0.0).to(tl.float32)
@@ -665,11 +662,6 @@ def _fwd_kernel(
         logits = tl.where(readable[:, None] & slots[None, :], logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if STORE_LOGITS and LRES is not None:  # near the maximum, where P matters, the int8 residual keeps them exact
-            lrow = (b * T + t).to(tl.int64) * HQ + hq
-            rel = tl.where(readable[:, None] & slots[None, :], logits - m_use[:, None], 0.0)
-            _store_rounded(LOGITS, LRES, lrow * M, offs_m, rel, tv[:, None] & slots[None, :])
-            tl.store(LMAX + lrow, m_use - bias, mask=tv)
         p = tl.exp(logits - m_use[:, None])
         alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -709,10 +701,10 @@ def _fwd_kernel(
     if SPLIT and DV == 2 * BDS:  # o and its residual by column halves (fewer live registers)
         halves = _column_halves(out, BR, BDS)
         cols = tl.arange(0, BDS)
-        _store_rounded(O, ORES, o_off, cols, halves[0], tv[:, None])
-        _store_rounded(O, ORES, o_off, BDS + cols, halves[1], tv[:, None])
+        _store_rounded(O, ORES, o_off, cols, halves[0], tv)
+        _store_rounded(O, ORES, o_off, BDS + cols, halves[1], tv)
     else:
-        _store_rounded(O, ORES, o_off, offs_dv, out, tv[:, None])
+        _store_rounded(O, ORES, o_off, offs_dv, out, tv)
 
 
 def dot_precision(dtype):
@@ -962,13 +954,12 @@ def fwd_warps(rows, dim):
 def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=None, filled0=None, keep_logits=False,
             exact_output=False):
     """Returns o [B, T, HQ, DV], lse [B, T, HQ] fp32 (natural log; None where no backward can run), with slots what
-    the slot backward can reuse: (Sk, Sv, dec, logits, logits residual, logits maxima), the slot states, the chunk
-    decays and (with `keep_logits` and CONFIG["save_logits"], else None) the scaled slot logits before the bias
-    [B, T, HQ, M] fp32 (with CONFIG["compact_logits"] and bf16/fp16 inputs in `_fwd_kernel`'s compact form, else the
-    last two None); and o's rounding residual: with `exact_output` and bf16/fp16 inputs, o with it (`_with_residual`)
-    is the fp32 output formed from unrounded weights (else None). Without `keep_logits` the states take the
-    segment-local form where `state_segment` gives a segment (`local_slot_states`), and then (Ck, Cv, None, None, None,
-    None) come back: the states before each segment. Either way [:, :, -1] of the first two is the final state."""
+    the slot backward can reuse: (Sk, Sv, dec, logits), the slot states, the chunk decays and (with `keep_logits` and
+    CONFIG["save_logits"], else None) the scaled slot logits before the bias [B, T, HQ, M] fp32; and o's rounding
+    residual: with `exact_output` and bf16/fp16 inputs, o with it (`_with_residual`) is the fp32 output formed from
+    unrounded weights (else None). Without `keep_logits` the states take the segment-local form where `state_segment`
+    gives a segment (`local_slot_states`), and then (Ck, Cv, None, None) come back: the states before each segment.
+    Either way [:, :, -1] of the first two is the final state."""
     B, T, HQ, D, H, M, DV, G = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G
     dev = p.q.device
     o = alloc(B, T, HQ, DV, dtype=p.q.dtype, device=dev)
@@ -985,13 +976,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     else:
         sk = sv = torch.empty(1, dtype=torch.float32, device=dev)
     store_logits = has_slots and keep_logits and CONFIG["save_logits"]
-    logits = logits_residual = logits_max = None  # (compact: bf16 + int8 relative to fp32 row maxima)
-    if store_logits and CONFIG["compact_logits"] and p.q.dtype != torch.float32:
-        logits = alloc(B, T, HQ, M, dtype=torch.bfloat16, device=dev)
-        logits_residual = alloc(B, T, HQ, M, dtype=torch.int8, device=dev)
-        logits_max = alloc(B, T, HQ, dtype=torch.float32, device=dev)
-    elif store_logits:
-        logits = alloc(B, T, HQ, M, dtype=torch.float32, device=dev)
+    logits = alloc(B, T, HQ, M, dtype=torch.float32, device=dev) if store_logits else None
     residual = None
     if exact_output and o.dtype != torch.float32:
         residual = alloc(B, T, HQ, DV, dtype=torch.int8 if CONFIG["int8_residual"] else o.dtype, device=dev)
@@ -1004,7 +989,7 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     launch(
         "fused forward", _fwd_kernel, grid,
         p.q, p.k, p.v, p.q_rope, p.k_rope, p.log_alpha, p.mask, p.first, filled0.to(torch.int32).contiguous(),
-        p.bias, sk, sv, ck, cv, dcum, o, residual, lse, logits, logits_residual, logits_max, *batch_strides(p, o),
+        p.bias, sk, sv, ck, cv, dcum, o, residual, lse, logits, *batch_strides(p, o),
         T, p.W, p.nch, cdiv(p.nch, segment or 1), float(scale),
         HQ=HQ, H=H, GQ=G, D=D, DV=DV, M=M, MT=max(M, CONFIG["fwd_min_slot_tile"]), CQB=cq, CSZ=p.cs, BR=BR, BN=BN,
         HAS_WINDOW=has_window, HAS_SLOTS=has_slots, PREC=p.prec, SPREC=slot_precision(p.q.dtype),
@@ -1017,5 +1002,4 @@ def forward(p: Prepared, scale, has_slots, initial_keys=None, initial_values=Non
     )
     if not has_slots:
         return o, lse, None, residual
-    states = (ck, cv, None) if segment else (sk, sv, dec)
-    return o, lse, (*states, logits, logits_residual, logits_max), residual
+    return o, lse, (ck, cv, None, None) if segment else (sk, sv, dec, logits), residual

@@ -161,10 +161,6 @@ CONFIG = {
     # of o in bf16, where a bf16 residual keeps ~2^-18): half its bytes, written by the forward and read by the window
     # dq kernel. On the H200 side by side the 32K step 6.18-6.21 -> 6.05-6.10 ms (training forward 1.333 -> 1.254,
     # window dq 0.467 -> 0.421; NOTES.md session 38)
-    "compact_logits": False,  # with save_logits, a bf16/fp16 training forward keeps each slot logit (with the bias)
-    # less its row's running maximum in bf16 with an int8 rounding residual (`chunk_fwd._store_rounded`: to 2^-15 of
-    # that difference, exact near the maximum where P matters) and the maxima in fp32: 3/4 of the logits' bytes,
-    # written by the forward and read by the rows kernel (untimed; NOTES.md session 38)
     "rows_cumsum_split": True,  # the rows kernel's block split from two rows of the gates' cumsum, not two sums of
     # the gates (each a reduction across the warps over the chunk's tokens): 32K step 6.54-6.57 -> 6.45-6.46 ms on the
     # H200 (NOTES.md, session 33)
@@ -211,7 +207,7 @@ FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of t
     "fwd_slots_first", "value_precision", "inference_value_precision", "inference_key_precision", "fwd_min_slot_tile",
     "block_factor_limit", "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits",
     "maskless", "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
-    "fwd_whole_chunk_split", "factored_carry_decay", "fwd_decays_late", "int8_residual", "compact_logits",
+    "fwd_whole_chunk_split", "factored_carry_decay", "fwd_decays_late", "int8_residual",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -304,7 +300,6 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "shared_row_decays": dict(shared_row_decays="rows"),
     "grad_row_decays": dict(shared_row_decays="state_grad"),
     "bf16_residual": dict(int8_residual=False),  # the default before session 38
-    "compact_logits": dict(compact_logits=True),
     "dv_sum_apart": dict(fold_dv_sum=False),  # the default before session 23
     "triton_launch": dict(fast_launch=False),  # Triton's own launch path (host time only: the same kernels)
 }

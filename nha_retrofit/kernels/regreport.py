@@ -53,8 +53,6 @@ def report(jitfn, consts, num_warps, num_stages=2, pointers=None, maxnreg=None, 
     """'regs R, spill S B, smem K KB' of one compiled kernel (or the compile error); maxnreg: a register cap; sass:
     with its static instruction counts (`asm_stats.MIX`, and all instructions) and its products' kinds."""
     ptrs = dict(POINTERS, ORES=I8 if config.CONFIG["int8_residual"] else BF, **(pointers or {}))  # o's residual
-    if config.CONFIG["compact_logits"]:  # the training forward's slot logits: bf16, int8 residuals, fp32 row maxima
-        ptrs.update(LOGITS=BF, LRES=I8, LMAX=F32)
     floats = ("scale", "inv_tau")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in jitfn.arg_names}
     # as a launch at T = 32768 specializes them: every pointer and integer divisible by 16 (without it Triton does
@@ -122,7 +120,6 @@ def cases(HQ, H, D, M):
                       HAS_WINDOW=True, HAS_SLOTS=True, PREC="tf32", SPREC=sprec, VPREC=vprec, KPREC=sprec,
                       BDS=min(64, D),
                       LIMIT=config.CONFIG["block_factor_limit"], SLOTS_FIRST=False, STORE_LOGITS=False, ORES=None,
-                      LRES=None, LMAX=None,
                       CK=None, CV=None, DCUM=None, KSEG=1, PREFETCH=0,
                       WHOLE_CHUNK_SPLIT=config.CONFIG["fwd_whole_chunk_split"],
                       FACTORED_DECAY=config.CONFIG["factored_carry_decay"],
@@ -146,8 +143,6 @@ def cases(HQ, H, D, M):
                     PREFETCH=config.CONFIG["fwd_prefetch"])
     if cf.keeps_exact_output(torch.bfloat16):  # its output residual stored (a pointer, not the constexpr None)
         del training["ORES"]
-    if config.CONFIG["compact_logits"]:  # its logits' residuals and row maxima (pointers)
-        del training["LRES"], training["LMAX"]
     out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel, training,
                 cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
     for cq in (window_bwd.CQ, 32):
@@ -196,10 +191,9 @@ def slot_bwd_cases(HQ, H, D, M, launches=((16, 4, "bf16x3"), (16, 4, "tf32x3"), 
         rows = dict(common, D=D, DV=D, BT=max(16, pow2(bq)), PREC="tf32", **shared_by("rows"),
                     DELTA_WHOLE=cf.keeps_exact_output(torch.bfloat16), CUMSUM_SPLIT=config.CONFIG["rows_cumsum_split"],
                     FACTORED_DECAY=config.CONFIG["factored_carry_decay"], **rows_grads)
-        loaded = {} if config.CONFIG["compact_logits"] else dict(LRES=None, LMAX=None)  # (compact: pointers)
-        out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True, **loaded), warps, stages),
-                (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel,
-                 dict(rows, HAS_LOGITS=False, LRES=None, LMAX=None), warps, stages),
+        out += [(f"slot bwd rows {tag}", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=True), warps, stages),
+                (f"slot bwd rows {tag}, logits formed", slot_bwd._rows_kernel, dict(rows, HAS_LOGITS=False), warps,
+                 stages),
                 (f"slot bwd state_grad {tag}", slot_bwd._state_grad_kernel,
                  dict(common, DX=D, CHUNK_DECAY=config.CONFIG["state_grad_chunk_decay"], **shared_by("state_grad")),
                  warps, stages),

@@ -50,8 +50,8 @@ import triton.language as tl
 from .chunk_fwd import (_block_split, _block_split_bounds, _block_split_cumsum, _prefix_sums, _carried_block_split,
                         _block_token_decay,
                         _chunk_products, _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay,
-                        _row_stats, _token_strides, _with_residual, alloc, batch_strides, chained_scan, kv_states,
-                        launch, launched, prefetchable, scan_tile)
+                        _row_stats, _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched,
+                        prefetchable, scan_tile)
 from .config import CONFIG
 from .fast_launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
@@ -350,7 +350,7 @@ def _slot_dq(DQ, K, SK, G, MASK, wk, kw, a_in, a_ref, causal, direct, row, krow,
 
 @triton.jit
 def _rows_kernel(
-    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, LOGITS, LRES, LMAX,
+    Q, K, V, DO, G, MASK, FIRST, BIAS, SK, SV, LSE, DELTA, LOGITS,
     DQ, DB, E, WK, WV, BCUM,
     sq_b, sk_b, sv_b, sg_b, so_b,
     T, W, NCH, L, scale,
@@ -361,9 +361,9 @@ def _rows_kernel(
 ):
     """Per query block (module docstring). DELTA holds sum P * dP (DELTA_WHOLE), or its window share and gets the
     slot share added in place; BT: a power of two >= CQB, the tokens of the E product. With HAS_LOGITS the scaled
-    logits are the forward's (LOGITS [B, T, HQ, M]; with LRES and LMAX in `chunk_fwd._fwd_kernel`'s compact form), else
-    they are formed again from q, the state and the chunk's keys. Unless BCUM is None it gets each token's decay from
-    the block's start, a_in, for the merged key kernel (CONFIG["shared_row_decays"])."""
+    logits are the forward's (LOGITS [B, T, HQ, M]), else they are formed again from q, the state and the chunk's
+    keys. Unless BCUM is None it gets each token's decay from the block's start, a_in, for the merged key kernel
+    (CONFIG["shared_row_decays"])."""
     sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)
     sg_t, sg_h = H * M, M
     pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
@@ -386,9 +386,6 @@ def _rows_kernel(
     # the scaled logits (the forward's, or formed again) and dP, one side after the other
     if HAS_LOGITS:
         lraw = tl.load(LOGITS + lrow[:, None] * M + offs_m[None, :], mask=tv[:, None], other=0.0)
-        if LRES is not None:  # relative to the rows' maxima, with int8 residuals
-            lres = tl.load(LRES + lrow[:, None] * M + offs_m[None, :], mask=tv[:, None], other=0)
-            lraw = _with_residual(lraw, lres) + tl.load(LMAX + lrow, mask=tv, other=0.0)[:, None]
     else:
         lraw = _rows_side(Q, row, K, krow, SK, st, G, MASK, b, h, sg_b, sg_t, sg_h, cs0, off, tok, tv, jr, causal,
                           kw, a_in, e_car, direct, T, W, offs_c, D, BD, M, BR, CQB, CSZ, PREC, SPREC) * scale
@@ -829,8 +826,8 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
 
     `delta` holds sum P * dP (`delta_whole`: from `window_bwd.window_dq` with the forward's exact output), or its
     window share (`window_bwd.window_delta`) and is completed in place with the slot share, for the window backward
-    that follows. `states`: the forward's (Sk, Sv, dec, logits, their residual and row maxima: `chunk_fwd.forward`),
-    else the states are recomputed and the logits formed again in the rows kernel."""
+    that follows. `states`: the forward's (Sk, Sv, dec, logits or None), else the
+    states are recomputed and the logits formed again in the rows kernel."""
     B, T, HQ, D, H, M, DV, G, W = p.B, p.T, p.HQ, p.D, p.H, p.M, p.DV, p.G, p.W
     assert T > W, "without slots (window >= T) the slot backward has nothing to do"
     n = p.nch
@@ -839,9 +836,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     dev = do.device
     f32 = torch.float32
     do = do.contiguous()
-    # the forward's states and logits, or the states recomputed (the rows kernel then forms the logits again)
-    kept = states if states is not None else (*kv_states(p), None, None, None)
-    sk, sv, dec, logits, logits_residual, logits_max = kept
+    sk, sv, dec, logits = states if states is not None else (*kv_states(p), None)  # recomputed when not kept
     bq, warps = launch_shape()
     BR = max(16, next_power_of_2(bq * G))
     rows_bq = CONFIG["slot_bwd_rows_block"] or bq  # the rows kernel's blocks are independent of the others'
@@ -879,8 +874,7 @@ def slot_backward_triton(p, do, lse, delta, scale, states=None, bias_grad=True, 
     launch(
         "slot bwd rows", _rows_kernel, (cdiv(T, rows_bq), B * H),
         p.q, p.k, p.v, do, p.log_alpha, p.mask, p.first, p.bias, sk, sv, lse, delta,
-        logits if logits is not None else lse, logits_residual, logits_max, dq, dbr, E, wk, wv,
-        row_decays if producer == "rows" else None,
+        logits if logits is not None else lse, dq, dbr, E, wk, wv, row_decays if producer == "rows" else None,
         *strides, T, W, n, L, float(scale), D=D, DV=DV,
         BT=max(16, next_power_of_2(rows_bq)), PREC=p.prec, HAS_LOGITS=logits is not None,
         DELTA_WHOLE=delta_whole, GPREC=gradient_precision("rows", sprec), CUMSUM_SPLIT=CONFIG["rows_cumsum_split"],

@@ -495,8 +495,7 @@ VARIANTS = {name: config.variant_overrides(name) for name in (  # the defaults a
     "overlap_dkv", "dv_sum_apart", "overlap_dkv+dv_sum_apart", "no_prefetch", "prefetch_window", "bwd_grads_bf16x3",
     "no_keys_prefetch", "no_keys_carry_split", "no_fwd_whole_chunk_split",
     "no_rows_cumsum_split", "no_factored_carry_decay", "keys_sides_together", "fwd_decays_early",
-    "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays", "bf16_residual",
-    "compact_logits")}
+    "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays", "bf16_residual")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
