@@ -940,10 +940,12 @@ def prefetchable(p: Prepared):
 
 
 def fwd_prefetch(p: Prepared, segment):
-    """The fused forward's PREFETCH: CONFIG["fwd_prefetch"] for a training forward and one with segment-local states
-    (the others, below 8K tokens, lost 0.004 ms per 4K forward with it on the H200: NOTES.md session 28), where
-    `prefetchable`; else 0."""
-    return CONFIG["fwd_prefetch"] if prefetchable(p) and (p.training or segment) else 0
+    """The fused forward's PREFETCH where `prefetchable`: CONFIG["train_fwd_prefetch"] for a training forward,
+    CONFIG["fwd_prefetch"] for one with segment-local states (the others, below 8K tokens, lost 0.004 ms per 4K
+    forward with it on the H200: NOTES.md session 28); else 0."""
+    if not prefetchable(p):
+        return 0
+    return CONFIG["train_fwd_prefetch"] if p.training else CONFIG["fwd_prefetch"] if segment else 0
 
 
 def fwd_warps(rows, dim):

@@ -24,12 +24,15 @@ CONFIG = {
     "fwd_rows": 128,  # rows (tokens x query heads per kv head) that fwd_block(G) aims at: at G = 4, 32-token
     # blocks (128 rows) made the forward 3.70 -> 2.34 ms at 32K on the H200 against 16-token blocks (64 rows)
     "fwd_slots_first": True,  # the fused kernel's slot part before its window part (fewer live tiles at once)
-    "fwd_prefetch": 2,  # L2 prefetches the fused forward issues before its slot part (`_prefetch_l2`), in a training
-    # forward and one with segment-local states (`fwd_prefetch`): 1 the window's keys and values (read after the slot
-    # part), 2 also the chunk's key and value states (0: none). On the H200, side by side, the 32K inference forward
-    # 1.678-1.686 -> 1.626-1.634 ms at 2 (1.645-1.657 at 1, 1.719 with the states alone), 64K 3.32-3.34 -> 3.20-3.23,
-    # the training step 7.09-7.12 -> 7.05-7.09; prefetching the inputs of the program one wave later lost (1.93;
-    # NOTES.md session 28)
+    "fwd_prefetch": 2,  # L2 prefetches the fused forward issues before its slot part (`_prefetch_l2`) in a forward
+    # with segment-local states (`fwd_prefetch`): 1 the window's keys and values (read after the slot part), 2 also
+    # the chunk's key and value states (0: none). On the H200, side by side, the 32K inference forward 1.678-1.686 ->
+    # 1.626-1.634 ms at 2 (1.645-1.657 at 1, 1.719 with the states alone), 64K 3.32-3.34 -> 3.20-3.23; prefetching the
+    # inputs of the program one wave later lost (1.93; NOTES.md session 28); 1.360-1.367 at 2 against 1.400-1.408 at 1
+    # in session 39
+    "train_fwd_prefetch": 1,  # ... in a training forward: at 2 the 32K step went 7.09-7.12 -> 7.05-7.09 ms in session
+    # 28; since session 38's kernels 1 is ahead, with `window_dq_keys` and `keys_prefetch` below 6.058-6.073 ->
+    # 6.009-6.013 ms (prefetch 1 alone -0.02; NOTES.md session 39)
     "value_precision": None,  # the slot part's P.V products (None: as slot_precision; "tf32" is enough for
     # o alone, but not for the backward's delta, so with it the delta pass runs instead of delta_from_output)
     "inference_value_precision": "bf16",  # ... of a forward without a backward, whose output alone reads them (None:
@@ -94,8 +97,10 @@ CONFIG = {
     # window_bwd.CQ = 16): 32 was ~0.1 ms faster per 32K step on the H200 with a delta pass; since the dq kernel
     # forms delta from the forward's output (delta_from_output) 16 is 0.08 ms faster (NOTES.md session 21)
     "window_dkv_block": 16,  # ... of its dkv kernel (None: window_bwd_block; at 32 its smem is 137 KB)
-    "window_dq_keys": 32,  # keys per tile of the window dq (and delta) kernel's loop: a 16-token block's 79 keys
-    # at w = 64 in 3 tiles of 32 instead of 2 of 64, no spills
+    "window_dq_keys": None,  # keys per tile of the window dq (and delta) kernel's loop (None: `window_bwd.dq_keys`,
+    # 16 up to w = 64, else 32): a 16-token block's 79 keys at w = 64 in 3 tiles of 32 instead of 2 of 64 (session
+    # 22), in 5 of 16 since session 39 (on the H200 the 32K step without keys_prefetch 6.042-6.046 -> 6.024-6.039 ms;
+    # 32 at w = 512, where 16 made the step 9.08-9.09 -> 9.24-9.25 ms; NOTES.md session 39)
     "window_dkv_keys": None,  # keys per program of its dkv kernel (None: `window_bwd.dkv_keys`, 32 up to w = 64,
     # else 64). A program loads the (keys + w) / 16 query blocks its keys see: at w = 64, 6 blocks for 32 keys instead
     # of 8 for 64 (pairs computed 1.5x the window's, was 2x; spills 1808 -> 380 B), with window_dq_keys 32 the 32K
@@ -147,9 +152,10 @@ CONFIG = {
     # kernel runs on a second CUDA stream beside the slot backward (where delta is whole before either:
     # delta_from_output). On the H200 32K 7.22 -> 7.19 ms, 8K 1.928 -> 1.896, w = 512 32K 10.53 -> 10.42; at 4K,
     # host-bound, the fork and join cost more host time than they save (NOTES.md session 23)
-    "keys_prefetch": True,  # the merged key kernel prefetches the rows it reads last (E, the window half's dv) into
+    "keys_prefetch": False,  # the merged key kernel prefetches the rows it reads last (E, the window half's dv) into
     # L2 at its start (`slot_bwd.keys_prefetch`): 32K step 6.875-6.880 -> 6.843-6.851 ms on the H200; the same for
-    # the rows kernel's keys and states lost 0.07 ms (NOTES.md, session 32)
+    # the rows kernel's keys and states lost 0.07 ms (NOTES.md, session 32). Since session 38's kernels it costs:
+    # without it the step 6.058-6.073 -> 6.042-6.046 ms, the kernel 1.50 -> 1.475 (NOTES.md session 39)
     "fwd_whole_chunk_split": True,  # the fused forward's block split, where its query block is the whole chunk, from
     # the cumsum's last row (`chunk_fwd._fwd_kernel`): 32K inference forward 1.498-1.499 -> 1.384-1.387 ms on the H200
     # (NOTES.md, session 33)
@@ -208,6 +214,7 @@ FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of t
     "block_factor_limit", "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits",
     "maskless", "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
     "fwd_whole_chunk_split", "factored_carry_decay", "fwd_decays_late", "int8_residual",
+    "train_fwd_prefetch",
 }
 
 CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/ops.py, checked by tests/kernels
@@ -230,8 +237,9 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "fwd_warps4": dict(num_warps_64=4),
     "fwd_stages2": dict(num_stages=2),
     "fwd_window_first": dict(fwd_slots_first=False),
-    "no_prefetch": dict(fwd_prefetch=0),  # the default before session 28
+    "no_prefetch": dict(fwd_prefetch=0, train_fwd_prefetch=0),  # the default before session 28
     "prefetch_window": dict(fwd_prefetch=1),
+    "train_prefetch_states": dict(train_fwd_prefetch=2),  # the default before session 39
     "direct_blocks": dict(block_factor_limit=0.0),
     "recompute_states": dict(save_states=False),
     "recompute_logits": dict(save_logits=False),
@@ -259,6 +267,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "window_dkv_keys32": dict(window_dkv_keys=32),
     "window_dkv_keys64": dict(window_dkv_keys=64),
     "window_dq_keys16": dict(window_dq_keys=16),
+    "window_dq_keys32": dict(window_dq_keys=32),  # the default before session 39 (at every window)
     "window_dkv_keys16": dict(window_dkv_keys=16),
     "window_bwd_block32": dict(window_bwd_block=32, window_dkv_block=32),
     "window_dq_block32": dict(window_bwd_block=32),  # the default before session 21
@@ -288,7 +297,7 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "keys_cap168_4warps": dict(slot_bwd_maxnreg={"keys": 168}, slot_bwd_keys_merged_warps=4),  # 9.09-9.13
     "overlap_dkv": dict(overlap_window_dkv=1),  # at every length (the tests' short sequences too)
     "serial_dkv": dict(overlap_window_dkv=None),  # the default before session 23
-    "no_keys_prefetch": dict(keys_prefetch=False),  # the default before session 32
+    "keys_prefetch": dict(keys_prefetch=True),  # the default in sessions 32-38
     "no_keys_carry_split": dict(keys_carry_split=False),  # the default before session 33
     "no_fwd_whole_chunk_split": dict(fwd_whole_chunk_split=False),  # the default before session 33
     "no_rows_cumsum_split": dict(rows_cumsum_split=False),  # the default before session 33

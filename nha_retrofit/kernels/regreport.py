@@ -140,14 +140,14 @@ def cases(HQ, H, D, M):
                                                                  KPREC=kprec, LSE=None), train[3], stages))
     cq = cf.fwd_block(G, train_cs)
     training = dict(train[2], CQB=cq, CSZ=train_cs, BR=max(16, pow2(cq * G)), STORE_LOGITS=True,
-                    PREFETCH=config.CONFIG["fwd_prefetch"])
+                    PREFETCH=config.CONFIG["train_fwd_prefetch"])
     if cf.keeps_exact_output(torch.bfloat16):  # its output residual stored (a pointer, not the constexpr None)
         del training["ORES"]
     out.append((f"fwd training block={cq} chunk={train_cs}, logits stored", cf._fwd_kernel, training,
                 cf.fwd_warps(max(16, pow2(cq * G)), D), stages))
     for cq in (window_bwd.CQ, 32):
         br = max(16, pow2(cq * G))
-        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=config.CONFIG["window_dq_keys"], PREC="tf32",
+        wconsts = dict(HQ=HQ, H=H, GQ=G, D=D, DV=D, CQB=cq, BR=br, BN=window_bwd.dq_keys(64), PREC="tf32",
                        HIGH=False)
         wwarps = 4 if br <= 64 else 8
         # the dq kernel forms delta from the forward's output (pointers) with CONFIG["delta_from_output"]

@@ -152,13 +152,20 @@ def _launch(p, do, scale, cq, keys):
     return args, meta
 
 
+def dq_keys(W):
+    """Keys per tile of the dq (and delta) kernel's loop for a window of W tokens: CONFIG["window_dq_keys"], else 16
+    up to W = 64 (a 16-token block's 79 keys at w = 64 in 5 tiles of 16, 80 keys computed, against 96 in 3 tiles of
+    32) and 32 above (16-key tiles made the w = 512 step 0.15 ms slower on the H200, NOTES.md session 39)."""
+    return config.CONFIG["window_dq_keys"] or (16 if W <= 64 else 32)
+
+
 def window_delta(p, do, lse, scale):
     """The window share of delta = sum P * dP per row: [B, T, HQ] fp32 (0 without a window)."""
     if p.W == 0:
         return torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
     delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
     do = do.contiguous()
-    args, meta = _launch(p, do, scale, config.CONFIG["window_bwd_block"] or CQ, config.CONFIG["window_dq_keys"])
+    args, meta = _launch(p, do, scale, config.CONFIG["window_bwd_block"] or CQ, dq_keys(p.W))
     chunk_fwd.launch("window delta", _dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, None, None, lse, delta, p.mask, delta, *args, DELTA_ONLY=True,
                      **meta)
@@ -172,7 +179,7 @@ def window_dq(p, do, lse, delta, scale, output=None):
     do = do.contiguous()
     dqr = chunk_fwd.alloc(p.B, p.T, p.HQ, p.D, dtype=p.q_rope.dtype, device=do.device)
     cq = config.CONFIG["window_bwd_block"] or CQ
-    args, meta = _launch(p, do, scale, cq, config.CONFIG["window_dq_keys"])
+    args, meta = _launch(p, do, scale, cq, dq_keys(p.W))
     chunk_fwd.launch("window dq", _dq_kernel, (cdiv(p.T, cq), p.B * p.H),
                      p.q_rope, p.k_rope, p.v, do, *(output or (None, None)), lse, delta, p.mask, dqr, *args,
                      DELTA_ONLY=False, **meta)

@@ -493,7 +493,7 @@ VARIANTS = {name: config.variant_overrides(name) for name in (  # the defaults a
     "slot_bwd_columns64", "keys_da_8warps", "slot_bwd_stages1", "keys_da_rows_block", "keys_separate",
     "keys_merged_4warps", "scan_segment_32", "state_grad_cap168", "delta_pass", "window_keys64", "window_dkv_keys16",
     "overlap_dkv", "dv_sum_apart", "overlap_dkv+dv_sum_apart", "no_prefetch", "prefetch_window", "bwd_grads_bf16x3",
-    "no_keys_prefetch", "no_keys_carry_split", "no_fwd_whole_chunk_split",
+    "keys_prefetch", "train_prefetch_states", "window_dq_keys32", "no_keys_carry_split", "no_fwd_whole_chunk_split",
     "no_rows_cumsum_split", "no_factored_carry_decay", "keys_sides_together", "fwd_decays_early",
     "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays", "bf16_residual")}
 
