@@ -945,7 +945,9 @@ def fwd_prefetch(p: Prepared, segment):
     forward with it on the H200: NOTES.md session 28); else 0."""
     if not prefetchable(p):
         return 0
-    return CONFIG["train_fwd_prefetch"] if p.training else CONFIG["fwd_prefetch"] if segment else 0
+    if p.training:
+        return CONFIG["train_fwd_prefetch"]
+    return CONFIG["fwd_prefetch"] if segment else 0
 
 
 def fwd_warps(rows, dim):
