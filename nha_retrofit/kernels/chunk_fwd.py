@@ -125,27 +125,43 @@ def _update_columns(DX: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
-def _chunk_own_update(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c, sx_b, sg_b, T, W,
-                      H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr):
-    """Stream chunk c's own update of the state's slots offs_m and columns offs_d, sum_j s_j exp(a_last - a_j) (x) x_j
-    [BM, BD] (x from X, or X2 for stream 1), and its decay exp(a_last) [BM] (each slot's are its own). A chunk past
-    the stream is empty: zero, and decay 1."""
+def _chunk_inputs(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c, more, sx_b, sg_b, T, W,
+                  H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr):
+    """What stream chunk c's own update reads: its gates g [CS, BM] (slots offs_m, as loaded), its inputs x [CS, BD]
+    (columns offs_d of X, or X2 for stream 1) and which of its tokens are real, jr [CS]; none where `more` is false
+    (zeros: an empty chunk)."""
     sx_t, sx_h, sg_t, sg_h = H * DX, DX, H * M, M  # contiguous layouts (as `_token_strides`)
     j = c * CSZ - W + tl.arange(0, CSZ)
-    jv = (j >= 0) & (j < T - W)
+    jv = (j >= 0) & (j < T - W) & more
     jr = _real(MASK, b, T, j, jv)
     g = tl.load(G + b * sg_b + j[:, None].to(tl.int64) * sg_t + h * sg_h + offs_m[None, :],
                 mask=jr[:, None], other=0.0)
+    x_off = b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :]
+    if stream == 0:
+        x = tl.load(X + x_off, mask=jr[:, None] & dmask[None, :], other=0.0)
+    else:
+        x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0)
+    return g, x, jr
+
+
+@triton.jit
+def _own_update(g, x, jr, CSZ: tl.constexpr, PREC: tl.constexpr):
+    """A chunk's own update of the state from its `_chunk_inputs`, sum_j s_j exp(a_last - a_j) (x) x_j [BM, BD], and
+    its decay exp(a_last) [BM] (each slot's are its own). An empty chunk: zero, and decay 1."""
     a = _chunk_cumsum(g, CSZ)
     g = g.to(tl.float32)
     a_last = tl.sum(g, axis=0)
     wgt = tl.where(jr[:, None], (1.0 - tl.exp(g)) * tl.exp(a_last[None, :] - a), 0.0)
-    x_off = b * sx_b + j[:, None].to(tl.int64) * sx_t + h * sx_h + offs_d[None, :]
-    if stream == 0:
-        x = tl.load(X + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    else:
-        x = tl.load(X2 + x_off, mask=jr[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    return dot_xb(tl.trans(wgt), x, PREC), tl.exp(a_last)  # x: upcast inputs, exact in the split format
+    return dot_xb(tl.trans(wgt), x.to(tl.float32), PREC), tl.exp(a_last)  # x: upcast inputs, exact in the split
+
+
+@triton.jit
+def _chunk_own_update(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c, sx_b, sg_b, T, W,
+                      H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, PREC: tl.constexpr):
+    """Stream chunk c's `_own_update` (a chunk past the stream is empty)."""
+    g, x, jr = _chunk_inputs(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c, True, sx_b, sg_b, T, W, H, M,
+                             DX, CSZ)
+    return _own_update(g, x, jr, CSZ, PREC)
 
 
 @triton.jit
@@ -176,18 +192,23 @@ def _chunk_update_kernel(
 
 @triton.jit
 def _segment_update_kernel(
-    X, X2, G, MASK, LOCAL, DCUM, ENDS, DSEG,
+    X, X2, G, MASK, LOCAL, DCUM, ENDS, DSEG, DEC, START,
     sx_b, sg_b, T, W, NCH, NSEG,
     H: tl.constexpr, M: tl.constexpr, DX: tl.constexpr, CSZ: tl.constexpr, BD: tl.constexpr,
-    PREC: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, ZERO_FIRST: tl.constexpr,
+    PREC: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, ZERO_FIRST: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Per segment of K stream chunks (program axis 0; axes 1 and 2 as `_chunk_update_kernel`'s), its chunks in
     order: LOCAL[c] = the segment-local state before chunk c (from zero at the segment's start: every chunk's own
     update, decayed, summed in registers), DCUM[c] = the decay from the segment's start to chunk c; the local state
-    after its last chunk in ENDS[segment + 1] and its whole decay in DSEG[segment] (with ZERO_FIRST a zero ENDS[0]).
+    after its last chunk in ENDS[segment + 1] and its whole decay in DSEG[segment] (with ZERO_FIRST a zero ENDS[0]);
+    unless DEC is None each chunk's own decay in DEC[c], as `_chunk_update_kernel` (for the reverse scan).
     The state before chunk c is then LOCAL[c] + DCUM[c] * (the state before its segment), which a scan over the
     segments' ENDS gives (`local_slot_states`): the states cross DRAM once, where the chunk update and the chained
-    scan move them three times."""
+    scan move them three times. Each of LOCAL, DCUM, ENDS, DSEG may be None (not stored). With START (the states
+    before each segment, [rows, NSEG + 1, M, DX]) the walk starts from the segment's state instead of zero, so LOCAL
+    gets the whole states, and the last segment also stores the final one, LOCAL[NCH] (`walked_slot_states`).
+    PREFETCH: each step loads the next chunk's inputs before forming its own update, so the loads' latency overlaps
+    the products (the walk is one chain of steps per program)."""
     NSB: tl.constexpr = M // BM  # program axis 0: segment x block of BM slots (each slot's updates are its own)
     seg = tl.program_id(0) // NSB
     pid_bh = tl.program_id(1)
@@ -195,25 +216,48 @@ def _segment_update_kernel(
     row = (stream * tl.num_programs(1) + pid_bh).to(tl.int64)
     offs_m = (tl.program_id(0) % NSB) * BM + tl.arange(0, BM)
     tile = offs_m[:, None] * DX + offs_d[None, :]
-    state = tl.zeros([BM, BD], dtype=tl.float32)
+    if START is not None:
+        state = tl.load(START + (row * (NSEG + 1) + seg) * M * DX + tile, mask=dmask[None, :], other=0.0)
+    else:
+        state = tl.zeros([BM, BD], dtype=tl.float32)
     dcum = tl.full([BM], 1.0, dtype=tl.float32)
+    b, h = pid_bh // H, pid_bh % H
+    if PREFETCH:  # the first chunk's inputs; each step then loads the next chunk's before its own products
+        g, x, jr = _chunk_inputs(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, seg * K, True, sx_b, sg_b, T,
+                                 W, H, M, DX, CSZ)
     for i in range(K):
         c = seg * K + i
         inside = (c + 0 * offs_m) < NCH  # (a vector mask: the interpreter lacks scalar ones)
-        tl.store(LOCAL + (row * (NCH + 1) + c) * M * DX + tile, state, mask=inside[:, None] & dmask[None, :])
-        if tl.program_id(2) == 0:
-            tl.store(DCUM + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, dcum, mask=inside)
-        upd, dec = _chunk_own_update(X, X2, G, MASK, stream, pid_bh // H, pid_bh % H, offs_m, offs_d, dmask, c, sx_b,
-                                     sg_b, T, W, H, M, DX, CSZ, PREC)
+        if LOCAL is not None:
+            tl.store(LOCAL + (row * (NCH + 1) + c) * M * DX + tile, state, mask=inside[:, None] & dmask[None, :])
+        if DCUM is not None:
+            if tl.program_id(2) == 0:
+                tl.store(DCUM + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, dcum, mask=inside)
+        if PREFETCH:
+            g_next, x_next, jr_next = _chunk_inputs(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c + 1,
+                                                    i + 1 < K, sx_b, sg_b, T, W, H, M, DX, CSZ)
+            upd, dec = _own_update(g, x, jr, CSZ, PREC)
+            g, x, jr = g_next, x_next, jr_next
+        else:
+            upd, dec = _chunk_own_update(X, X2, G, MASK, stream, b, h, offs_m, offs_d, dmask, c, sx_b, sg_b, T, W, H,
+                                         M, DX, CSZ, PREC)
+        if DEC is not None:
+            if tl.program_id(2) == 0:
+                tl.store(DEC + (pid_bh.to(tl.int64) * NCH + c) * M + offs_m, dec, mask=inside)
         state = dec[:, None] * state + upd
         dcum = dcum * dec
-    ends = row * (NSEG + 1) + seg
-    tl.store(ENDS + (ends + 1) * M * DX + tile, state, mask=dmask[None, :])
-    if ZERO_FIRST:
-        if seg == 0:
-            tl.store(ENDS + ends * M * DX + tile, tl.zeros([BM, BD], dtype=tl.float32), mask=dmask[None, :])
-    if tl.program_id(2) == 0:
-        tl.store(DSEG + (pid_bh.to(tl.int64) * NSEG + seg) * M + offs_m, dcum)
+    if ENDS is not None:
+        ends = row * (NSEG + 1) + seg
+        tl.store(ENDS + (ends + 1) * M * DX + tile, state, mask=dmask[None, :])
+        if ZERO_FIRST:
+            if seg == 0:
+                tl.store(ENDS + ends * M * DX + tile, tl.zeros([BM, BD], dtype=tl.float32), mask=dmask[None, :])
+    if DSEG is not None:
+        if tl.program_id(2) == 0:
+            tl.store(DSEG + (pid_bh.to(tl.int64) * NSEG + seg) * M + offs_m, dcum)
+    if START is not None:  # past its last chunk: the final state
+        final = (seg + 0 * offs_m) == NSEG - 1
+        tl.store(LOCAL + (row * (NCH + 1) + NCH) * M * DX + tile, state, mask=final[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -850,6 +894,43 @@ def slot_states(xs, log_alpha, mask, W, nch, initial=None, return_decay=False, *
     return (out, dec) if return_decay else out
 
 
+def _walk_segments(xs, log_alpha, mask, W, nch, segment, chunk, local=None, dcum=None, ends=None, dseg=None,
+                   dec=None, start=None):
+    """One launch of `_segment_update_kernel` over the S inputs `xs` (one layout), storing what is not None."""
+    x = xs[0]
+    B, T, H, DX = x.shape
+    M = log_alpha.shape[-1]
+    assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
+    BD = update_columns(M, DX)
+    BM = min(M, CONFIG["segment_update_slots"] or M)
+    assert M % BM == 0, "the segment update's slot blocks must divide the slots"
+    launch(
+        "segment_update", _segment_update_kernel, (cdiv(nch, segment) * (M // BM), B * H, len(xs) * cdiv(DX, BD)),
+        x, xs[-1], log_alpha, mask, local, dcum, ends, dseg, dec, start, x.stride(0), log_alpha.stride(0),
+        T, W, nch, cdiv(nch, segment), H=H, M=M, DX=DX, CSZ=chunk, BD=BD, PREC=slot_precision(x.dtype), K=segment,
+        BM=BM, ZERO_FIRST=start is None, PREFETCH=CONFIG["segment_prefetch"], num_warps=4,
+    )
+
+
+def _segment_ends(xs, log_alpha, mask, W, nch, initial, chunk, segment, **stored):
+    """The walk over segments (`_walk_segments`, storing `stored` too), then the chained scan of its segments' local
+    ends into the states before each segment: carries [S, B, H, nseg + 1, M, DX] (the last: the final state)."""
+    x = xs[0]
+    B, T, H, DX = x.shape
+    S, M = len(xs), log_alpha.shape[-1]
+    nseg = cdiv(nch, segment)
+    carries = alloc(S, B, H, nseg + 1, M, DX, dtype=torch.float32, device=x.device)
+    dseg = torch.empty(B, H, nseg, M, dtype=torch.float32, device=x.device)
+    _walk_segments(xs, log_alpha, mask, W, nch, segment, chunk, ends=carries, dseg=dseg, **stored)
+    flat = carries.view(S * B * H, nseg + 1, M, DX)
+    if initial is not None:
+        carries[:, :, :, 0] = initial
+    chained_scan(flat, dseg.view(B * H, nseg, M), flat,
+                 x0=None if initial is None else initial.contiguous().float().view(S * B * H, M, DX))
+    launched("chained carry scan")
+    return carries
+
+
 def local_slot_states(xs, log_alpha, mask, W, nch, initial=None, *, chunk, segment):
     """The slot states of `slot_states` in the segment-local form (`_segment_update_kernel`): (local [S, B, H, nch + 1,
     M, DX], carries [S, B, H, nseg + 1, M, DX], dcum [B, H, nch, M]), nseg = nch / segment rounded up: the state
@@ -858,28 +939,25 @@ def local_slot_states(xs, log_alpha, mask, W, nch, initial=None, *, chunk, segme
     x = xs[0]
     B, T, H, DX = x.shape
     S, M = len(xs), log_alpha.shape[-1]
-    assert all(y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() for y in xs)  # (the kernel's strides)
-    nseg = cdiv(nch, segment)
     local = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
-    carries = alloc(S, B, H, nseg + 1, M, DX, dtype=torch.float32, device=x.device)
     dcum = alloc(B, H, nch, M, dtype=torch.float32, device=x.device)
-    dseg = torch.empty(B, H, nseg, M, dtype=torch.float32, device=x.device)
-    BD = update_columns(M, DX)
-    BM = min(M, CONFIG["segment_update_slots"] or M)
-    assert M % BM == 0, "the segment update's slot blocks must divide the slots"
-    launch(
-        "segment_update", _segment_update_kernel, (nseg * (M // BM), B * H, S * cdiv(DX, BD)),
-        x, xs[-1], log_alpha, mask, local, dcum, carries, dseg, x.stride(0), log_alpha.stride(0),
-        T, W, nch, nseg, H=H, M=M, DX=DX, CSZ=chunk, BD=BD, PREC=slot_precision(x.dtype), K=segment, BM=BM,
-        ZERO_FIRST=initial is None, num_warps=4,
-    )
-    flat = carries.view(S * B * H, nseg + 1, M, DX)
-    if initial is not None:
-        carries[:, :, :, 0] = initial
-    chained_scan(flat, dseg.view(B * H, nseg, M), flat,
-                 x0=None if initial is None else initial.contiguous().float().view(S * B * H, M, DX))
-    launched("chained carry scan")
+    carries = _segment_ends(xs, log_alpha, mask, W, nch, initial, chunk, segment, local=local, dcum=dcum)
     return local, carries, dcum
+
+
+def walked_slot_states(xs, log_alpha, mask, W, nch, initial=None, *, chunk, segment):
+    """(states, dec) of `slot_states` (the states whole) by two walks over segments of `segment` chunks: the first
+    stores only each segment's local end (a chained scan of them gives the state before each segment), the second
+    starts each segment from that state and stores the whole states. The chunks' updates stay in registers: the
+    states cross DRAM once, where `slot_states`' chunk update and chained scan move them three times."""
+    x = xs[0]
+    B, T, H, DX = x.shape
+    S, M = len(xs), log_alpha.shape[-1]
+    starts = _segment_ends(xs, log_alpha, mask, W, nch, initial, chunk, segment)
+    out = alloc(S, B, H, nch + 1, M, DX, dtype=torch.float32, device=x.device)
+    dec = alloc(B, H, nch, M, dtype=torch.float32, device=x.device)
+    _walk_segments(xs, log_alpha, mask, W, nch, segment, chunk, local=out, dec=dec, start=starts)
+    return out, dec
 
 
 def _state_inputs(p, initial_keys, initial_values):
@@ -893,9 +971,14 @@ def _state_inputs(p, initial_keys, initial_values):
 
 def kv_states(p, initial_keys=None, initial_values=None):
     """(Sk, Sv, dec): the key and value slot states of `slot_states` ([B, H, nch + 1, M, D] and [..., DV]) and the
-    chunk decays."""
-    parts = [slot_states(xs, p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True, chunk=p.cs)
-             for xs, initial in _state_inputs(p, initial_keys, initial_values)]
+    chunk decays; by `walked_slot_states` where CONFIG["walked_states"] and `state_segment` gives a segment."""
+    segment = state_segment(p.nch) if CONFIG["walked_states"] else None
+    if segment:
+        parts = [walked_slot_states(xs, p.log_alpha, p.mask, p.W, p.nch, initial, chunk=p.cs, segment=segment)
+                 for xs, initial in _state_inputs(p, initial_keys, initial_values)]
+    else:
+        parts = [slot_states(xs, p.log_alpha, p.mask, p.W, p.nch, initial, return_decay=True, chunk=p.cs)
+                 for xs, initial in _state_inputs(p, initial_keys, initial_values)]
     states = [state for part, _ in parts for state in part]  # (k, v) of one part or one of each
     return states[0], states[1], parts[0][1]
 

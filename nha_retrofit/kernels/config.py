@@ -124,6 +124,15 @@ CONFIG = {
     # On the H200 (inference forward), side by side: 32K 1.80 -> 1.69 ms at 32 (16: 1.70, 8: 1.73, 4: 1.79), 64K
     # 3.56 -> 3.33, 8K 0.474 -> 0.449 at 16 (8: 0.458); from two tables (results/ops_h200.json at commits fe69b41 and
     # 9f65eb0, graph-replayed): 16K 0.92 -> 0.86, 8K 0.479 -> 0.482 and 4K 0.249 -> 0.292 at 32 (NOTES.md session 25)
+    "walked_states": True,  # where `state_segment` gives a segment, the whole slot states (a training forward's,
+    # kept for the backward) by two walks over segments (`chunk_fwd.walked_slot_states`: the first stores only each
+    # segment's end, the second the states from the scanned ends) instead of the chunk update and the chained scan
+    # over every chunk. On the H200, with segment_prefetch, side by side (three alternations): 32K step 5.998-6.019
+    # -> 5.877-5.898 ms; the segment-local form in the training forward too (the fused kernel storing the whole
+    # states it forms) 5.950-5.971, dropped (NOTES.md session 40)
+    "segment_prefetch": True,  # the segment update walk loads each chunk's inputs one step ahead, so their latency
+    # overlaps the chain of products (255 registers and 64 B spilled -> 251 and none in the register report). On the
+    # H200 the 32K inference forward 1.41 -> 1.28 ms (its walk 0.31 -> 0.23; NOTES.md session 40)
     "state_segment_longest": 64,  # the longest segment "auto" takes: 64 from 1024 chunks on (32K tokens at 32-token
     # chunks). On the H200, side by side with 32: 32K forward 1.583-1.584 against 1.586-1.596 ms, 64K 3.116-3.128
     # against 3.129-3.147 (three alternations, NOTES.md session 29); sessions 26 and 29 (call 2) agree: 1.671-1.678
@@ -213,6 +222,7 @@ FORWARD_KEYS = {  # the CONFIG entries the forward reads (a variant of none of t
     "fwd_slots_first", "value_precision", "inference_value_precision", "inference_key_precision", "fwd_min_slot_tile",
     "block_factor_limit", "scan_tile", "scan_segment", "scan_block", "update_block", "merge_kv_states", "save_logits",
     "maskless", "delta_from_output", "state_segment", "segment_update_slots", "fwd_prefetch", "state_segment_longest",
+    "segment_prefetch", "walked_states",
     "fwd_whole_chunk_split", "factored_carry_decay", "fwd_decays_late", "int8_residual",
     "train_fwd_prefetch",
 }
@@ -259,6 +269,8 @@ CONFIG_VARIANTS = {  # named CONFIG overrides: timed side by side by benchmarks/
     "state_segment16": dict(state_segment=16),
     "state_segment32": dict(state_segment=32),
     "segment_update_slots32": dict(segment_update_slots=32),
+    "no_segment_prefetch": dict(segment_prefetch=False),  # the default before session 40
+    "scanned_train_states": dict(walked_states=False),  # the default before session 40
     "segment_longest32": dict(state_segment_longest=32),  # the default before session 29
     "scan_segment_32": dict(scan_segment=32),
     "window_dkv_8warps": dict(window_dkv_warps=8),

@@ -41,7 +41,7 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
                 LSE=F32, DELTA=F32, DQ=BF, DB=F32, E=F32, WST=F32, R=F32, OUT=F32, CK=F32, CV=F32,
                 RK=F32, RV=F32, DA=F32, XA=F32, DQR=BF, DKR=BF, DV_=F32, U=F32, DEC=F32, S=F32, S0=F32,
                 CONT=F32, DBR=F32, C_OUT=F32, DK=BF, BIN=F32, X0=F32, CARRY=F32, FLAGS=I32, UVB=F32, Y2=BF, WST2=F32,
-                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, ENDS=F32, DSEG=F32, DVW=F32, BCUM=F32)
+                TOT=F32, LOGITS=F32, LOCAL=F32, DCUM=F32, START=F32, ENDS=F32, DSEG=F32, DVW=F32, BCUM=F32)
 
 # the decode state's window tensors (the model's dtype), its gates and ring start, the new token's gate logits and
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
@@ -95,12 +95,17 @@ def cases(HQ, H, D, M):
     pow2 = triton.next_power_of_2
     update = dict(H=H, M=M, DX=D, CSZ=cs, BD=cf.update_columns(M, D), PREC=config.CONFIG["slot_precision"],
                   ZERO_FIRST=True)
+    walk = dict(update, K=32, BM=M, PREFETCH=config.CONFIG["segment_prefetch"], DEC=None, START=None)  # (inference)
     out = [("chunk_update", cf._chunk_update_kernel, update, 4, 2),
-           ("segment_update K=32", cf._segment_update_kernel, dict(update, K=32, BM=M), 4, 2),
-           ("segment_update K=32, 64 columns", cf._segment_update_kernel, dict(update, K=32, BM=M, BD=min(64, D)), 4,
+           ("segment_update K=32", cf._segment_update_kernel, walk, 4, 2),
+           ("segment_update K=32, ends only", cf._segment_update_kernel, dict(walk, LOCAL=None, DCUM=None), 4, 2),
+           ("segment_update K=32, whole states", cf._segment_update_kernel,
+            dict({k: v for k, v in walk.items() if k not in ("DEC", "START")}, DCUM=None, ENDS=None, DSEG=None,
+                 ZERO_FIRST=False), 4, 2),
+           ("segment_update K=32, 64 columns", cf._segment_update_kernel, dict(walk, BD=min(64, D)), 4,
             2),
-           ("segment_update K=32, 32 slots", cf._segment_update_kernel, dict(update, K=32, BM=min(32, M)), 4, 2),
-           ("segment_update K=32, 16 slots", cf._segment_update_kernel, dict(update, K=32, BM=min(16, M)), 4, 2),
+           ("segment_update K=32, 32 slots", cf._segment_update_kernel, dict(walk, BM=min(32, M)), 4, 2),
+           ("segment_update K=32, 16 slots", cf._segment_update_kernel, dict(walk, BM=min(16, M)), 4, 2),
            ("state_scan", cf._state_scan_kernel, dict(M=M, DX=D, BM=min(M, 16), BD=min(64, D), HAS_S0=False), 4, 3),
            ("rev_scan", slot_bwd._rev_scan_kernel, dict(M=M, DX=D, BM=M, BD=min(64, D)), 4, 3)]
     segment = config.CONFIG["scan_segment"] or 16

@@ -6,7 +6,8 @@ interpreter runs one program at a time, in ticket order: the waiting between seg
 Fresh random fp32 inputs; chunk counts 1..33 with segments of 1, 2, 3, 5 and more than all chunks (blocks padded to
 a power of two); 4 of the 16 slots per program, 40 columns (padded to 64, masked); forward scans in place
 from zero and from a carried state, reverse scans; the segment-local states of a forward without a backward
-(`local_slot_states`, its update walk over all 16 slots per program or blocks of 8) rebuilt from their carries.
+(`local_slot_states`, its update walk over all 16 slots per program or blocks of 8) rebuilt from their carries, and
+the whole states by two such walks (`walked_slot_states`).
 Every output element is NaN-poisoned first. The scans share their tickets and flags from one launch to the next, so
 each must leave them at zero.
 
@@ -107,6 +108,21 @@ def main():
                 label = f"local {name} K={state_segment}, carries K={scan_segment}, slot blocks {slot_block}"
                 check(f"{label}: states", rebuilt, full[:, :, :, :nch])
                 check(f"{label}: final", carries[:, :, :, -1], full[:, :, :, nch])
+
+    # the whole states by two walks (`walked_slot_states`): every state, the final one and the chunk decays, with
+    # and without the walk's one-step-ahead loads
+    config.CONFIG["segment_update_slots"] = None
+    config.CONFIG["scan_segment"] = 16
+    decays = chunk_fwd.slot_states(xs, log_alpha, mask, W, nch, chunk=chunk, return_decay=True)[1]
+    for state_segment, prefetch in ((1, False), (2, True), (3, False), (3, True), (8, True)):
+        config.CONFIG["segment_prefetch"] = prefetch
+        for start, name in ((None, "slot_states"), (initial, "slot_states from a state")):
+            with bounds_checked():
+                states, dec = chunk_fwd.walked_slot_states(xs, log_alpha, mask, W, nch, start, chunk=chunk,
+                                                           segment=state_segment)
+            label = f"walked {name} K={state_segment}, prefetch {prefetch}"
+            check(f"{label}: states", states, torch.stack([want[name, 0], want[name, 1]]))
+            check(f"{label}: decays", dec, decays)
     print("OK")
 
 

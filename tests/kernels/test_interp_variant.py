@@ -92,6 +92,11 @@ CASES = [
     # decays), bf16 under decay 8
     ("grad_row_decays", (90, 6, 2, 64, 64, 5, 2, "float32", 8.0, "random", "right")),
     ("grad_row_decays+state_grad_block_decay", (90, 4, 2, 64, 32, 5, 2, "bfloat16", 8.0, "real_like", "right")),
+    # the training states whole by two walks over segments (`walked_slot_states`, the default since session 40 where
+    # the "auto" rule takes segments: from 8K tokens on, so 4-chunk ones here), their one-step-ahead loads on and
+    # off: fp32 bounds-checked with left padding, bf16 real-like with right padding
+    ("state_segment4", (170, 4, 2, 64, 64, 20, 2, "float32", 2.0, "random", "left")),
+    ("state_segment4+no_segment_prefetch", (150, 8, 2, 128, 64, 5, 1, "bfloat16", 1.0, "real_like", "right")),
 ]
 
 

@@ -124,7 +124,8 @@ def test_forward_backward_matches_float64_reference(combo, decay=1.0, real_like=
 
 @pytest.mark.parametrize("overrides", [dict(state_segment="auto"), dict(state_segment=32), dict(state_segment=3),
                                        dict(state_segment=None), dict(state_segment=32, segment_update_slots=32),
-                                       dict(state_segment=64), dict(inference_key_precision=None)],
+                                       dict(state_segment=64), dict(inference_key_precision=None),
+                                       dict(state_segment=3, segment_prefetch=False)],
                          ids=lambda o: "+".join(f"{k}_{v}" for k, v in o.items()))
 @pytest.mark.parametrize("combo", [
     (4097, 32, 8, 128, 64, 64, torch.bfloat16, 2), (2500, 9, 3, 64, 32, 5, torch.float32, 2),
@@ -495,7 +496,11 @@ VARIANTS = {name: config.variant_overrides(name) for name in (  # the defaults a
     "overlap_dkv", "dv_sum_apart", "overlap_dkv+dv_sum_apart", "no_prefetch", "prefetch_window", "bwd_grads_bf16x3",
     "keys_prefetch", "train_prefetch_states", "window_dq_keys32", "no_keys_carry_split", "no_fwd_whole_chunk_split",
     "no_rows_cumsum_split", "no_factored_carry_decay", "keys_sides_together", "fwd_decays_early",
-    "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays", "bf16_residual")}
+    "state_grad_block_decay", "keys_rest_sum", "shared_row_decays", "grad_row_decays", "bf16_residual",
+    # the training states whole by two walks over segments (`walked_slot_states`, the default where the "auto" rule
+    # takes segments: from 8K tokens on) at short segments: as the defaults, one query block per chunk or two, and
+    # the walk's loads not ahead
+    "state_segment4", "state_segment4+fwd_block16", "state_segment4+no_segment_prefetch")}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
