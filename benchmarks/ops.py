@@ -12,6 +12,11 @@ benchmarks/results/ops_h200.md.
     python benchmarks/ops.py --variants defaults,chunk64 --variant-heads 64,8,128   # ... at other head shapes
     python benchmarks/ops.py --variants defaults,no_prefetch --variant-graph   # ... replayed from CUDA graphs
     python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two steps of a session
+
+fla's columns need fla-core and einops (on a machine without network: `pip download fla-core einops --no-deps -d
+.whl` beside it, then `pip install --no-index --no-deps --target /tmp/fla-site .whl/*.whl` there and /tmp/fla-site on
+PYTHONPATH). fla's GSA tunes for ~5 minutes on first use: run it once alone first (`--skip
+nha,nha_graph,sdpa,fla_window,decode --lengths 32768`), so the full table finds its tuned kernels.
 """
 
 import argparse
