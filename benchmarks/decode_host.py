@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops import HQ, D, H, M, B, decode_layers, decode_step, host_us
 from nha_retrofit.kernels import decode
-from nha_retrofit.modeling.nha_gates import gate_log_alpha
+from nha_retrofit.ops.nha.gates import gate_log_alpha
 
 
 def load_previous(path):

@@ -16,7 +16,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nha_retrofit.kernels import nha_chunked_triton  # noqa: E402
-from nha_retrofit.modeling.nha_chunked import nha_chunked  # noqa: E402
+from nha_retrofit.ops.nha.chunk_torch import nha_chunked  # noqa: E402
 
 HIDDEN, HQ, H, D = 4096, 32, 8, 128
 

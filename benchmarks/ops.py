@@ -32,7 +32,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nha_retrofit.kernels import config, nha_attention, nha_recurrent_step_triton  # noqa: E402
-from nha_retrofit.modeling.nha_state import NHAState  # noqa: E402
+from nha_retrofit.ops.nha.state import NHAState  # noqa: E402
 
 HQ, H, D, M, B = 32, 8, 128, 64, 1
 BW = 4.3e12  # device-to-device copy, bytes read + written (KINDS.md, H200)

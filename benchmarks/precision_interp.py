@@ -21,8 +21,8 @@ from nha_oracle import make_inputs, padding_mask  # noqa: E402
 from real_like import real_like_inputs  # noqa: E402
 
 from nha_retrofit.kernels import config  # noqa: E402
-from nha_retrofit.kernels.autograd import nha_chunked_triton  # noqa: E402
-from nha_retrofit.modeling.nha_chunked import nha_chunked  # noqa: E402
+from nha_retrofit.ops.nha.chunk import nha_chunked_triton  # noqa: E402
+from nha_retrofit.ops.nha.chunk_torch import nha_chunked  # noqa: E402
 
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
 CASES = [  # (T, HQ, H, D, M, window, batch, real_like)

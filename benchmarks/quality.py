@@ -47,7 +47,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from nha_retrofit.finetune import finetune
-    from nha_retrofit.modeling.modeling_nha import kernel_scope
+    from nha_retrofit.ops.nha.dispatch import kernel_scope
 
     path = ROOT / "benchmarks" / "results" / f"quality_{args.name}.json"
     results = json.loads(path.read_text()) if path.is_file() else {}

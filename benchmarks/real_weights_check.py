@@ -50,7 +50,7 @@ def load(folder, dtype):
 def operator_check(captured, dtype, seed):
     """Kernels and the PyTorch form (inputs in `dtype`) against float64, one captured layer."""
     from nha_retrofit.kernels import nha_attention
-    from nha_retrofit.modeling.nha_chunked import nha_chunked
+    from nha_retrofit.ops.nha.chunk_torch import nha_chunked
 
     window, scale = captured["window"], captured["scale"]
     cast = {n: torch.float32 if n == "log_alpha" else dtype for n in NAMES}
@@ -83,7 +83,7 @@ def main():
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (PyTorch forms only)")
     args = parser.parse_args()
     import nha_retrofit.modeling.modeling_nha as modeling
-    from nha_retrofit.modeling.nha_gates import gate_log_alpha
+    from nha_retrofit.ops.nha.gates import gate_log_alpha
 
     global DEVICE
     DEVICE = args.device

@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert.converter import CONVERSION_RECORD, MODELING_FOLDER, TOKENIZER_FILES
+from .convert.converter import CONVERSION_RECORD, TOKENIZER_FILES
+from .modeling.remote_code import checkpoint_remote_code
 from .convert.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
 from .eval.compare import nha_checkpoint_class
@@ -45,10 +46,10 @@ def checkpoint_files(folder: Path) -> list[str]:
     config = json.loads((folder / "config.json").read_text())
     if "auto_map" not in config:
         raise NHARetrofitError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code")
-    modeling = sorted(p.name for p in MODELING_FOLDER.glob("*.py") if p.name != "__init__.py")
-    missing = [name for name in modeling if not (folder / name).is_file()]
-    if missing:
-        raise NHARetrofitError(f"{folder} lacks the remote code file {missing[0]}")
+    try:
+        modeling = checkpoint_remote_code(folder)
+    except FileNotFoundError as missing:
+        raise NHARetrofitError(f"{folder} lacks the remote code file {missing}") from None
     weights = find_checkpoint(folder).files  # allow_pickle=False: only safetensors, each checked whole
     index = [SAFETENSORS_INDEX] if (folder / SAFETENSORS_INDEX).is_file() else []
     if not (folder / "tokenizer_config.json").is_file():

@@ -17,12 +17,12 @@ from transformers import AutoConfig
 from ..atomic import atomic_folder, check_output_folder
 from ..errors import NHARetrofitError
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
+from ..modeling.remote_code import write_remote_code
 from ..plan import LayerPlan, build_plan
 from .resolve import resolve_model
 from .shards import TensorReader, find_checkpoint, write_sharded
 
 CONVERSION_RECORD = "nha_conversion.json"
-MODELING_FOLDER = Path(__file__).resolve().parent.parent / "modeling"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "qwen.tiktoken",
@@ -87,20 +87,6 @@ def new_layer_tensors(config, plan: LayerPlan, key_weight, layer: int, gate_init
         gate = (gate * config.initializer_range).to(key_weight.dtype)
     bias = torch.full((config.num_attention_heads,), plan.slot_bias_init, dtype=key_weight.dtype)
     return {prefix + "g_proj.weight": gate, prefix + "slot_bias": bias}
-
-
-def write_remote_code(folder: Path, model_class) -> None:
-    """Copy the package's modeling files verbatim and point auto_map at them."""
-    for path in MODELING_FOLDER.glob("*.py"):
-        if path.name != "__init__.py":
-            shutil.copyfile(path, folder / path.name)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config["auto_map"] = {
-        "AutoConfig": f"configuration_nha.{model_class.config_class.__name__}",
-        "AutoModelForCausalLM": f"modeling_nha.{model_class.__name__}",
-    }
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:

@@ -3,14 +3,13 @@
 Each family's NHA attention is its original attention class plus a gate projection and a slot-logit offset:
 the q/k/v/o weights (biases, Qwen3's q_norm/k_norm) and RoPE are the original layer's own. A layer whose
 window is None runs the original attention code unchanged, with an ordinary KV cache; any other layer runs
-the NHA operator. This file and its relative imports are copied verbatim into converted checkpoints
-(remote code), so it imports only torch, transformers and its sibling files; nha_retrofit's Triton kernels
-are used when they import.
+the NHA operator. This file and the files it imports are copied into converted checkpoints (remote code,
+`remote_code.py`), so it imports only torch, transformers and those files; nha_retrofit's Triton kernels are used
+where nha_retrofit is installed (`ops/nha/dispatch.py`).
 """
 
 import contextlib
 import inspect
-import os
 
 import torch
 from torch import nn
@@ -22,42 +21,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
+from ..ops.nha.dispatch import nha_operator
 from .nha_cache import NHACache
-from .nha_chunked import nha_chunked
-from .nha_gates import gate_log_alpha
-from .nha_recurrent import nha_recurrent_step
-
-try:
-    from nha_retrofit.kernels import KERNELS_AVAILABLE, nha_chunked_triton, nha_recurrent_step_triton
-except ImportError:
-    KERNELS_AVAILABLE = False
-
-
-def kernel_scope() -> str:
-    """Where nha_retrofit's Triton kernels run on CUDA, from NHA_RETROFIT_KERNELS: `all` (the default: prefill,
-    training and the one-token decode step), `decode` (the decode step only), `0` (none: plain PyTorch everywhere)."""
-    value = os.environ.get("NHA_RETROFIT_KERNELS", "all")
-    scope = {"1": "all", "none": "0", "": "all"}.get(value.strip().lower(), value.strip().lower())
-    if scope not in ("decode", "all", "0"):
-        raise ValueError(f"NHA_RETROFIT_KERNELS={value!r}: expected decode, all or 0")
-    return scope
-
-
-def nha_operator(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, scale, attention_mask, slot_bias, state,
-                 output_state):
-    """Pick the implementation (Triton kernels on CUDA where `kernel_scope` allows, plain PyTorch otherwise); one-token
-    steps with a carried state take the recurrent form, which takes the gate logits (the Triton step applies the gate
-    itself: three elementwise launches fewer per layer and token). Returns (o, new state or None)."""
-    scope = kernel_scope() if KERNELS_AVAILABLE and q.is_cuda else "0"
-    if state is not None and q.shape[1] == 1:
-        step = nha_recurrent_step_triton if scope in ("decode", "all") else nha_recurrent_step
-        return step(q, k, v, q_rope, k_rope, gate_logits, window, scale, state=state, attention_mask=attention_mask,
-                    slot_bias=slot_bias, gate_normalizer=gate_normalizer)
-    chunked = nha_chunked_triton if scope == "all" else nha_chunked
-    return chunked(
-        q, k, v, q_rope, k_rope, gate_log_alpha(gate_logits, gate_normalizer), window, scale,
-        attention_mask=attention_mask, slot_bias=slot_bias, initial_state=state, output_final_state=output_state,
-    )
 
 
 class NHAAttentionMixin:

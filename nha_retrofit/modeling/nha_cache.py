@@ -2,7 +2,7 @@
 
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from .nha_state import NHAState
+from ..ops.nha.state import NHAState
 
 
 class NHACacheLayer(CacheLayerMixin):

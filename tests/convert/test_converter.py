@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from typer.testing import CliRunner
 
+from nha_retrofit.modeling.remote_code import REMOTE_CODE_FILES
 from nha_retrofit.cli import app
 from nha_retrofit.convert import convert
 from nha_retrofit.eval.compare import load_nha_checkpoint
@@ -99,8 +100,8 @@ def test_conversion_record_and_remote_code_files(tiny_llama_folder, tmp_path):
         "AutoConfig": "configuration_nha.NHALlamaConfig", "AutoModelForCausalLM": "modeling_nha.NHALlamaForCausalLM",
     }
     assert config["nha_windows"] == [None, 64, 64, None] and config["nha_num_slots"] == 64
-    for name in ("modeling_nha.py", "configuration_nha.py", "nha_cache.py", "nha_chunked.py", "nha_state.py"):
-        assert (out / name).is_file()
+    assert sorted(path.name for path in out.glob("*.py")) == sorted(REMOTE_CODE_FILES)
+    assert "from .chunk_torch import nha_chunked" in (out / "dispatch.py").read_text()
     record = json.loads((out / "nha_conversion.json").read_text())
     assert record["plan"]["windows"] == [None, 64, 64, None]
 

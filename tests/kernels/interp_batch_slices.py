@@ -24,7 +24,7 @@ from nha_oracle import make_inputs, padding_mask  # noqa: E402
 
 def main():
     from nha_retrofit.kernels import autograd
-    from nha_retrofit.modeling.nha_chunked import nha_chunked
+    from nha_retrofit.ops.nha.chunk_torch import nha_chunked
 
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")

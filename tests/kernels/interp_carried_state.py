@@ -42,8 +42,8 @@ def state_errors(got, want):
 
 def main():
     from nha_retrofit.kernels import chunk_fwd, config
-    from nha_retrofit.kernels.autograd import nha_chunked_triton
-    from nha_retrofit.modeling.nha_chunked import nha_chunked
+    from nha_retrofit.ops.nha.chunk import nha_chunked_triton
+    from nha_retrofit.ops.nha.chunk_torch import nha_chunked
 
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")

@@ -35,9 +35,9 @@ TAU = 8.0
 def main():
     from nha_retrofit.kernels import chunk_fwd
     from nha_retrofit.kernels.decode import nha_recurrent_step_triton
-    from nha_retrofit.modeling.nha_chunked import nha_chunked
-    from nha_retrofit.modeling.nha_gates import gate_log_alpha
-    from nha_retrofit.modeling.nha_recurrent import nha_recurrent_step
+    from nha_retrofit.ops.nha.chunk_torch import nha_chunked
+    from nha_retrofit.ops.nha.gates import gate_log_alpha
+    from nha_retrofit.ops.nha.recurrent_torch import nha_recurrent_step
 
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")

@@ -69,7 +69,7 @@ def kernels_grad(x, window, scale, mask, d_o, variant=None, hooks=()):
     differentiated): under CONFIG_VARIANTS[variant] (None: the defaults), outputs NaN-poisoned, inside the
     interpreter `hooks` (context managers: `bounds_checked()`, `gpu_numerics()`); CONFIG is restored after."""
     from nha_retrofit.kernels import chunk_fwd, config
-    from nha_retrofit.kernels.autograd import nha_attention
+    from nha_retrofit.ops.nha.chunk import nha_attention
 
     xs = {n: x[n].clone().requires_grad_(True) for n in NAMES}
     saved = use_variant(variant)
@@ -89,7 +89,7 @@ def kernels_grad(x, window, scale, mask, d_o, variant=None, hooks=()):
 
 def reference_grad(x, window, scale, mask, d_o):
     """The float64 `nha_reference` output and its gradients w.r.t. the NAMES inputs `x`."""
-    from nha_retrofit.ops.reference import nha_reference
+    from nha_retrofit.ops.nha.naive import nha_reference
 
     xr = {n: x[n].double().requires_grad_(True) for n in NAMES}
     ref = nha_reference(*[xr[n] for n in NAMES[:6]], window, scale, mask, xr["slot_bias"])

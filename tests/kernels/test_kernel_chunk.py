@@ -21,9 +21,9 @@ from real_like import real_like_inputs  # noqa: E402
 
 from nha_retrofit.kernels import (  # noqa: E402
     autograd, chunk_fwd, config, nha_attention, nha_chunked_triton, nha_recurrent_step_triton)
-from nha_retrofit.modeling.nha_chunked import nha_chunked  # noqa: E402
-from nha_retrofit.modeling.nha_gates import gate_log_alpha  # noqa: E402
-from nha_retrofit.ops.reference import nha_reference  # noqa: E402
+from nha_retrofit.ops.nha.chunk_torch import nha_chunked  # noqa: E402
+from nha_retrofit.ops.nha.gates import gate_log_alpha  # noqa: E402
+from nha_retrofit.ops.nha.naive import nha_reference  # noqa: E402
 
 NAMES = ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")
 TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3, torch.float32: 1e-4}

@@ -148,7 +148,7 @@ def test_attention_transfer_loss_is_the_mse_to_the_full_attention_output():
 @pytest.mark.parametrize("value, scope", [(None, "all"), ("", "all"), ("decode", "decode"), ("all", "all"), ("1", "all"),
                                           ("0", "0"), ("none", "0"), (" ALL ", "all")])
 def test_kernel_scope_from_the_environment(monkeypatch, value, scope):
-    from nha_retrofit.modeling.modeling_nha import kernel_scope
+    from nha_retrofit.ops.nha.dispatch import kernel_scope
 
     if value is None:
         monkeypatch.delenv("NHA_RETROFIT_KERNELS", raising=False)
@@ -158,7 +158,7 @@ def test_kernel_scope_from_the_environment(monkeypatch, value, scope):
 
 
 def test_unknown_kernel_scope_is_a_clear_error(monkeypatch):
-    from nha_retrofit.modeling.modeling_nha import kernel_scope
+    from nha_retrofit.ops.nha.dispatch import kernel_scope
 
     monkeypatch.setenv("NHA_RETROFIT_KERNELS", "fast")
     with pytest.raises(ValueError, match="NHA_RETROFIT_KERNELS='fast': expected decode, all or 0"):

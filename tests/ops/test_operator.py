@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nha_oracle import make_inputs, nha_oracle, padding_mask
-from nha_retrofit.modeling.nha_gates import gate_log_alpha
+from nha_retrofit.ops.nha.gates import gate_log_alpha
 from nha_retrofit.ops import NHAState, nha_chunked, nha_recurrent_step, nha_reference
 
 OPERATOR_ARGS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")

@@ -52,8 +52,8 @@ from .chunk_fwd import (_block_split, _block_split_bounds, _block_split_cumsum, 
                         _chunk_products, _chunk_cumsum, _cumsum_row, _prefetch_rows, _query_rows, _real, _row_decay,
                         _row_stats, _token_strides, alloc, batch_strides, chained_scan, kv_states, launch, launched,
                         prefetchable, scan_tile)
-from .config import CONFIG
-from .fast_launch import cdiv, next_power_of_2
+from .settings import CONFIG
+from .launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_xa, dot_xb, product_precision
 
 BD = 64  # columns per pass over D

@@ -1,11 +1,11 @@
-"""`nha_attention` (training) and `nha_chunked_triton` (prefill with a carried state) on the Triton kernels."""
+"""`nha_attention_triton` (training) and `nha_chunked_triton` (prefill with a carried state) on the Triton kernels."""
 
 import torch
 
-from ..modeling.nha_state import NHAState
-from . import chunk_fwd, config
-from .slot_bwd import slot_backward_triton
-from .window_bwd import window_delta, window_dkv, window_dq
+from .state import NHAState
+from . import chunk_fwd, settings as config
+from .chunk_bwd_slots import slot_backward_triton
+from .chunk_bwd_window import window_delta, window_dkv, window_dq
 
 
 # The kernels form element offsets as a batch index times a batch stride in int32: a call whose largest
@@ -122,11 +122,11 @@ class _NHAFunction(torch.autograd.Function):
         )
 
 
-def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None):
+def nha_attention_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None):
     """Same contract as `nha_reference`; differentiable in q, k, v, q_rope, k_rope, log_alpha, slot_bias."""
     slices = batch_slices(q, v, log_alpha)
     if len(slices) > 1:  # beyond the kernels' int32 offsets (OFFSET_LIMIT): one call per batch slice
-        return torch.cat([nha_attention(*(x[rows] for x in (q, k, v, q_rope, k_rope, log_alpha)), window, scale,
+        return torch.cat([nha_attention_triton(*(x[rows] for x in (q, k, v, q_rope, k_rope, log_alpha)), window, scale,
                                         _part(attention_mask, rows), slot_bias) for rows in slices])
     training = _backward_can_run(q, k, v, q_rope, k_rope, log_alpha, slot_bias)
     return _NHAFunction.apply(q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training)
@@ -216,9 +216,9 @@ def nha_chunked_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attent
                                     output_final_state) for rows in slices]
         return torch.cat([o for o, _ in parts]), NHAState.cat([s for _, s in parts]) if output_final_state else None
     if initial_state is None and not output_final_state:
-        return nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias), None
+        return nha_attention_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias), None
     if initial_state is None and _backward_can_run(q, k, v, q_rope, k_rope, log_alpha, slot_bias):
-        o = nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias)
+        o = nha_attention_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias)
         _, state = _forward_with_state(q.detach(), k.detach(), v.detach(), q_rope.detach(), k_rope.detach(),
                                        log_alpha.detach(), window, scale, attention_mask,
                                        None if slot_bias is None else slot_bias.detach(), None, True)

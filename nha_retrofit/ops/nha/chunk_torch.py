@@ -17,7 +17,7 @@ same code serves training, prefill and prefill-after-prefix.
 import torch
 import torch.nn.functional as F
 
-from .nha_state import NHAState
+from .state import NHAState
 
 
 def nha_chunked(

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..modeling.nha_state import NHAState
+from .state import NHAState
 from .chunk_fwd import alloc, launch
-from .fast_launch import cdiv, next_power_of_2
-from .workspace import counters
+from .launch import cdiv, next_power_of_2
+from .launch import counters
 
 BLOCK = 64  # window entries per program: a long window is read by many programs at once, then merged
 

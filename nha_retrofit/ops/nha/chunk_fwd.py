@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fast_launch
+from . import launch as fast_launch
 from .chunk_scan import chained_chunk_scan
-from .config import CONFIG, state_segment
-from .fast_launch import cdiv, next_power_of_2
+from .settings import CONFIG, state_segment
+from .launch import cdiv, next_power_of_2
 from .products import dot_f32, dot_hilo, dot_xa, dot_xb, product_precision
 
 POISON = False  # tests set this: output buffers start as NaN, so an element no kernel writes fails the check

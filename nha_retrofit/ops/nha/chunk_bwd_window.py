@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import chunk_fwd, config
+from . import chunk_fwd, settings as config
 from .chunk_fwd import _query_rows, _real, _row_stats, _token_strides, _with_residual
-from .fast_launch import cdiv, next_power_of_2
+from .launch import cdiv, next_power_of_2
 
 CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
 # (CONFIG["window_bwd_block"] overrides)

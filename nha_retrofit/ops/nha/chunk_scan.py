@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fast_launch
-from .fast_launch import cdiv, next_power_of_2
-from .workspace import counters
+from . import launch as fast_launch
+from .launch import cdiv, next_power_of_2
+from .launch import counters
 
 
 def naive_chunk_scan(b, dec, x0=None, reverse=False):

@@ -10,8 +10,8 @@ leaving (`NHAState`), after that token was absorbed. The window scores do not de
 
 import torch
 
-from .nha_gates import gate_log_alpha
-from .nha_state import WINDOW_FIELDS, NHAState
+from .gates import gate_log_alpha
+from .state import WINDOW_FIELDS, NHAState
 
 
 def nha_recurrent_step(
