@@ -1,16 +1,23 @@
 """nha-retrofit: turn pretrained Transformer LLMs into Native Hybrid Attention hybrids.
 
 Every CLI verb is a thin layer over a function here, e.g. `nha_retrofit.convert(model, output, ...)`
-(the `convert` subpackage is callable: see its docstring).
+(`nha_retrofit.conversion.convert`).
 """
 
 __version__ = "0.1.0"
 __all__ = ["convert"]
 
 
-def __getattr__(name):  # keeps `import nha_retrofit` (and the CLI's --help) free of torch and transformers
+def __getattr__(name):
+    """`convert` is imported on first use, which keeps `import nha_retrofit` (and the CLI's --help) free of torch
+    and transformers."""
     if name == "convert":
-        import importlib
+        from .conversion.converter import convert
 
-        return importlib.import_module(".convert", __name__)
-    raise AttributeError(name)
+        globals()["convert"] = convert
+        return convert
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

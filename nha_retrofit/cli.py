@@ -97,7 +97,7 @@ def convert(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
 ):
     """Convert a pretrained Llama, Qwen2.5 or Qwen3-MoE model into an NHA hybrid checkpoint (shard by shard)."""
-    from .convert.converter import convert as run_convert
+    from .conversion.converter import convert as run_convert
 
     run_convert(
         model, output, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
@@ -119,9 +119,12 @@ def plan(
     slot_bias_init: SlotBiasOption = -4.0,
 ):
     """Print the layer plan (per layer: window, slots, new parameters, cache bytes) without converting."""
-    from .plan import describe_for_model
+    from .conversion.resolve import resolve_model
+    from .conversion.source import read_source_config_dict
+    from .plan import plan_table
 
-    typer.echo(describe_for_model(model, **plan_arguments(
+    config = read_source_config_dict(resolve_model(model))
+    typer.echo(plan_table(config, **plan_arguments(
         full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init
     )))
 

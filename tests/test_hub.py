@@ -10,9 +10,8 @@ import sys
 
 import pytest
 from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
-from typer.testing import CliRunner
 
-from nha_retrofit.cli import app
+from cli_helpers import cli
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.hub import model_card, prepare_upload, push_checkpoint
 
@@ -89,14 +88,9 @@ def test_an_own_readme_is_sent_as_it_is_and_other_files_stay_home(family, tmp_pa
     assert "README.md" in upload.files and "README.md" not in upload.written and upload.skipped == ["notes.txt"]
 
 
-def cli(*args):
-    result = CliRunner().invoke(app, ["push", *map(str, args)])
-    return result.exit_code, result.output.strip()
-
-
 def test_cli_dry_run_lists_the_upload(family):
     _, _, _, out = family
-    code, output = cli(out, "me/tiny-nha", "--dry-run")
+    code, output = cli("push", out, "me/tiny-nha", "--dry-run")
     assert code == 0 and "  config.json" in output and "  README.md (written for the Hub)" in output
 
 
@@ -132,13 +126,13 @@ def test_cli_bad_checkpoint_or_repo_is_one_line(family, tmp_path, how, repo_id, 
     folder = tmp_path / "ckpt"
     shutil.copytree(out, folder)
     break_folder(folder, how)
-    code, output = cli(folder, repo_id)
+    code, output = cli("push", folder, repo_id)
     assert code == 1 and output.startswith("error: ") and message in output and len(output.splitlines()) == 1
 
 
 def test_cli_refuses_a_folder_that_is_not_nha(family):
     _, _, original_folder, _ = family
-    code, output = cli(original_folder, "me/x", "--dry-run")
+    code, output = cli("push", original_folder, "me/x", "--dry-run")
     assert code == 1 and output.startswith("error: ") and "is not an NHA checkpoint" in output
 
 

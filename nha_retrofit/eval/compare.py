@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..convert.converter import CONVERSION_RECORD
+from ..conversion.converter import CONVERSION_RECORD
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..errors import NHARetrofitError
 from .perplexity import perplexity

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from ..convert.converter import build_nha_model, read_source_config_dict
-from ..convert.resolve import resolve_model
+from ..conversion.converter import build_nha_model
+from ..conversion.resolve import resolve_model
+from ..conversion.source import read_source_config_dict
 from ..errors import NHARetrofitError
 from ..plan import build_plan, select_full_layers
 from .speed import resolve_device

@@ -28,7 +28,7 @@ def _full_model(run):
 
 def export_merged(run, folder: Path, summary: dict) -> Path | None:
     """Merge LoRA adapters, restore the planned windows, cast back to the original dtype, save with a record."""
-    from ..convert.converter import save_nha_checkpoint
+    from ..conversion.converter import save_nha_checkpoint
 
     model = _full_model(run)
     if model is not None:

@@ -25,8 +25,9 @@ class ModelSource:
 
 def resolve_source(spec: ModelSection) -> ModelSource:
     """Decide how to obtain the NHA model, reading only config files."""
-    from ..convert.converter import CONVERSION_RECORD, read_source_config_dict
-    from ..convert.resolve import resolve_model
+    from ..conversion.converter import CONVERSION_RECORD
+    from ..conversion.resolve import resolve_model
+    from ..conversion.source import read_source_config_dict
     from ..plan import build_plan
     from .recipe import ConvertSection
 
@@ -56,7 +57,8 @@ def resolve_source(spec: ModelSection) -> ModelSource:
 
 
 def _model_class_and_config(source: ModelSource):
-    from ..convert.converter import nha_config_for, read_source_config_dict
+    from ..conversion.converter import nha_config_for
+    from ..conversion.source import read_source_config_dict
     from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 
     if source.converted:
@@ -76,7 +78,7 @@ def model_config(source: ModelSource):
 
 def load_model(source: ModelSource):
     """The NHA model in fp32 on the CPU (accelerate moves it)."""
-    from ..convert.converter import build_nha_model
+    from ..conversion.converter import build_nha_model
     from ..eval.compare import load_nha_checkpoint
 
     if source.converted:

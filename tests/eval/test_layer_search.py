@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from typer.testing import CliRunner
 
-from nha_retrofit.cli import app
-from nha_retrofit.convert.converter import build_nha_model
+from cli_helpers import cli
+from nha_retrofit.conversion.converter import build_nha_model
 from nha_retrofit.eval.layer_search import search_full_layers
 from nha_retrofit.eval.perplexity import perplexity
 from nha_retrofit.eval.texts import load_heldout_tokens
@@ -74,11 +73,6 @@ def test_a_window_covering_the_chunk_changes_nothing(family):
     assert max(report["layer_kl"]) < 1e-6
     for plan in report["plans"].values():
         assert plan["perplexity"] == pytest.approx(report["original_perplexity"], rel=1e-5)
-
-
-def cli(*args):
-    result = CliRunner().invoke(app, [*map(str, args)])
-    return result.exit_code, result.output.strip()
 
 
 @pytest.mark.parametrize("family", ["qwen2.5"], indirect=True)

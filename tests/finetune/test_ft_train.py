@@ -94,14 +94,16 @@ def test_teacher_is_the_original_model(world, trainable):
 
     model_path, data = world
     spec = load_recipe(tiny_recipe(model_path, data, "unused", train={"trainable": trainable}))
+    torch.manual_seed(0)  # peft draws the LoRA A matrices from the global generator
     model = select_trainable(load_model(resolve_source(spec.model)), spec.train).eval()
     kept = snapshot_teacher(model)
     assert (kept == 0) == (trainable == "lora")
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad and ("lora_B" in name or "q_proj" in name or "mlp" in name):
-                p.add_(torch.randn_like(p))
-    ids = torch.randint(0, 256, (2, 40))
+                p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    ids = torch.randint(0, 256, (2, 40), generator=generator)
     original = AutoModelForCausalLM.from_pretrained(model_path).eval()
     with torch.no_grad(), teacher_mode(model):
         teacher = model(input_ids=ids, use_cache=False).logits
@@ -119,8 +121,8 @@ def test_teacher_and_student_share_one_autocast_region(world, student_first, wra
     """bf16 autocast caches the casts of fp32 weights for a whole region: without care the teacher would reuse the
     student's casts (or the student the teacher's) although teacher_mode swapped the weights. Training and evaluation
     run both in one region, so each must match its own fresh region exactly; also when accelerate's mixed-precision
-    wrapper opens a caching region of its own inside every forward (what the trainer runs; a GPU run trained and
-    scored the wrong weights before this was handled)."""
+    wrapper opens a caching region of its own inside every forward, as it does in the trainer: there a stale cast
+    means training and scoring the other model's weights."""
     from nha_retrofit.finetune.model import load_model, resolve_source, select_trainable
     from nha_retrofit.finetune.stages import snapshot_teacher, teacher_mode
 
@@ -128,11 +130,12 @@ def test_teacher_and_student_share_one_autocast_region(world, student_first, wra
     spec = load_recipe(tiny_recipe(model_path, data, "unused", train={"trainable": "attention"}))
     model = select_trainable(load_model(resolve_source(spec.model)), spec.train).eval()
     snapshot_teacher(model)
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad and "proj" in name:
-                p.add_(torch.randn_like(p))
-    ids = torch.randint(0, 256, (2, 40))
+                p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    ids = torch.randint(0, 256, (2, 40), generator=generator)
     if wrapper == "accelerate":
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
@@ -276,7 +279,7 @@ def test_empty_dataset(world, tmp_path):
 
 
 def test_converted_checkpoint_as_input(world, tmp_path):
-    from nha_retrofit.convert import convert
+    from nha_retrofit.conversion import convert
 
     model, data = world
     converted = convert(str(model), tmp_path / "nha", full_layers=1, window=4, slots=4, log=lambda *_: None)

@@ -21,6 +21,7 @@ from ..modeling.remote_code import write_remote_code
 from ..plan import LayerPlan, build_plan
 from .resolve import resolve_model
 from .shards import TensorReader, find_checkpoint, write_sharded
+from .source import read_source_config_dict
 
 CONVERSION_RECORD = "nha_conversion.json"
 TOKENIZER_FILES = (
@@ -28,26 +29,7 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "qwen.tiktoken",
     "tokenizer.tiktoken", "generation_config.json",
 )
-REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 GATE_INITS = ("from_k", "random")
-
-
-def read_source_config_dict(source: Path) -> dict:
-    """The original's config.json, after checking that its family is one we convert and it has what we need."""
-    try:
-        config = json.loads((Path(source) / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise NHARetrofitError(f"cannot read {Path(source) / 'config.json'}: {error}") from None
-    model_type = config.get("model_type", "")
-    if model_type.startswith("nha_"):
-        raise NHARetrofitError(f"{source} is already an NHA checkpoint ({model_type}); change its windows instead")
-    if model_type not in NHA_MODEL_CLASSES:
-        supported = ", ".join(f"{t} ({NHA_MODEL_CLASSES[t].__mro__[2].__name__})" for t in sorted(NHA_MODEL_CLASSES))
-        raise NHARetrofitError(f"unsupported architecture {model_type or 'unknown'} in {source}; supported: {supported}")
-    missing = [field for field in REQUIRED_FIELDS if not isinstance(config.get(field), int)]
-    if missing:
-        raise NHARetrofitError(f"{Path(source) / 'config.json'} lacks the required field {missing[0]}")
-    return config
 
 
 def nha_config_for(source_config: dict, plan: LayerPlan):

@@ -1,16 +1,13 @@
 """Every supported family converts exactly, caches correctly, ships its real tokenizer and loads as remote code."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from nha_retrofit.convert import convert
+from fresh_process import run_without_nha_retrofit
+from nha_retrofit.conversion import convert
 from nha_retrofit.eval.compare import load_nha_checkpoint
 from real_tokenizers import FAMILY_TOKENIZERS
 from tiny_models import tiny_family_model
@@ -79,23 +76,9 @@ def test_fresh_process_remote_code_without_nha_retrofit(family, tmp_path):
     nha = load_nha_checkpoint(out)
     ids = sample_ids(original, length=24, batch=1)
     with torch.no_grad():
-        torch.save({"ids": ids, "logits": nha(ids).logits}, tmp_path / "expected.pt")
-    script = textwrap.dedent(f"""
-        import sys
-        sys.modules["nha_retrofit"] = None
-        import torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
-        saved = torch.load({str(tmp_path / "expected.pt")!r})
-        with torch.no_grad():
-            print((model(saved["ids"]).logits - saved["logits"]).abs().max().item())
-        print(model.generate(saved["ids"], max_new_tokens=4, do_sample=False).shape[1])
-    """)
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    diff, length = result.stdout.split()[-2:]
-    assert float(diff) <= 1e-6 and int(length) == 28
+        expected = nha(ids).logits
+    name, diff, length = run_without_nha_retrofit(out, ids, expected, tmp_path, prompt_tokens=24, new_tokens=4)
+    assert name == type(nha).__name__ and diff <= 1e-6 and length == 28
 
 
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path):

