@@ -2,16 +2,16 @@
 
 Prints, in one process:
 - 28 layers' eager decode steps (ms), windows 64 and 2048, with and without an attention mask; with --previous,
-  alternating with another version of `nha_retrofit/kernels/decode.py` (e.g. one taken from git history), so both
-  see the same host noise;
+  alternating with another version of `nha_retrofit/ops/nha/fused_recurrent.py` (e.g. one taken from git history),
+  so both see the same host noise;
 - 28 layers' eager steps the way the model calls them, alternating: the gate (float, logsigmoid, divide) and the
-  slot bias's cast in PyTorch before the step (the route before session 12) against the step given the gate logits
-  and tau and a bf16 slot bias (the gate applied in the kernel);
+  slot bias's cast in PyTorch before the step against the step given the gate logits and tau and a bf16 slot bias
+  (the gate applied in the kernel);
 - one step alone, the gate's ops (`g_proj`, float, logsigmoid, divide) and a full layer's cache concatenation +
   SDPA at 8K keys (us of host time per call): the parts of an NHA layer's decode against a full layer's.
 
-Usage: PYTHONPATH=. python benchmarks/decode_host.py [--previous old_decode.py] [--repeats 4]
-(e.g. `git show 0663cff:nha_retrofit/kernels/decode.py > /tmp/old_decode.py`: the two-launch step of session 9)
+Usage: PYTHONPATH=. python benchmarks/decode_host.py [--previous old_fused_recurrent.py] [--repeats 4]
+(e.g. `git show REV:nha_retrofit/ops/nha/fused_recurrent.py > /tmp/old_fused_recurrent.py`)
 """
 
 import argparse
@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops import HQ, D, H, M, B, decode_layers, decode_step, host_us
-from nha_retrofit.kernels import decode
+from nha_retrofit.ops.nha import fused_recurrent as decode
 from nha_retrofit.ops.nha.gates import gate_log_alpha
 
 
 def load_previous(path):
-    """`path` (a decode.py) as a module of the kernels package, so its relative imports resolve."""
-    spec = importlib.util.spec_from_file_location("nha_retrofit.kernels.decode_previous", path)
+    """`path` (a fused_recurrent.py) as a module of the operator's package, so its relative imports resolve."""
+    spec = importlib.util.spec_from_file_location("nha_retrofit.ops.nha.fused_recurrent_previous", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

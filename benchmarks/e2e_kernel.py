@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nha_retrofit.kernels import nha_chunked_triton  # noqa: E402
+from nha_retrofit.ops.nha.chunk import nha_chunked_triton  # noqa: E402
 from nha_retrofit.ops.nha.chunk_torch import nha_chunked  # noqa: E402
 
 HIDDEN, HQ, H, D = 4096, 32, 8, 128

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import nha_retrofit.modeling.modeling_nha as modeling
 from nha_retrofit.modeling.configuration_nha import NHALlamaConfig
+from nha_retrofit.ops import KERNELS_AVAILABLE
 from nha_retrofit.modeling.modeling_nha import NHALlamaForCausalLM
 
 
@@ -174,7 +175,7 @@ def main():
     model = build_on_gpu(NHALlamaForCausalLM, llama3_8b_config(args.layers))
     train_attention_only(model)
     ids = torch.randint(0, 128256, (1, args.tokens), device="cuda")
-    assert modeling.KERNELS_AVAILABLE, "Triton kernels did not import"
+    assert KERNELS_AVAILABLE, "Triton kernels did not import"
     if args.memory:
         for checkpointing in (True, False):
             peak_training_gib(model, ids, checkpointing)  # compiles and warms the allocator

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU quality run (issue 5) on the device machine, in two back-to-back calls (the 98 MB SmolLM2 GGUF does not
+# The GPU quality run on a GPU machine without network, in two back-to-back calls (the 98 MB SmolLM2 GGUF does not
 # fit one call's 64 MiB): `stage` keeps the first half of the GGUF and measures training throughput on random
 # weights of SmolLM2's shape, once through the exact PyTorch operator and once through the Triton chunk kernels;
 # `run` joins the GGUF and runs recipes/smollm2_gpu.yaml through benchmarks/quality.py with as many tokens (at most

@@ -15,11 +15,9 @@ Triton kernel's launch time, and the top-level PyTorch ops per step with their h
 `--timeline N`: where the GPU idles within a step: over N steps (torch.profiler's kernel intervals), each step's span,
 the time some kernel runs (intervals on every stream joined) and the idle gaps between kernels, the largest named.
 `--forward-only`: the steps are inference forwards (no gradients: `chunk_fwd.inference_chunk`, no states kept).
-`--config` takes config.CONFIG overrides as JSON (as benchmarks/ops.py).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ops import D, HQ, host_us, nha_inputs  # noqa: E402
 
-from nha_retrofit.kernels import config, nha_attention  # noqa: E402
+from nha_retrofit.ops.nha.chunk import nha_attention_triton as nha_attention  # noqa: E402
 
 
 def host_profile(step, n, label):
@@ -53,13 +51,16 @@ def host_profile(step, n, label):
 
 
 def launch_costs(step, n):
-    """Host time of each Triton kernel's launches per step (`fast_launch.launch`, which every launch goes through,
-    wrapped with a timer; Triton's own path costs more the more arguments it specializes)."""
+    """Host time of each Triton kernel's launches per step (`launch.launch`, which every launch goes through,
+    wrapped with a timer in each kernel module; Triton's own path costs more the more arguments it specializes)."""
     import collections
     import time
 
-    from nha_retrofit.kernels import fast_launch
+    from nha_retrofit.ops.nha import (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan, chunk_states,
+                                      fused_recurrent)
+    from nha_retrofit.ops.nha import launch as fast_launch
 
+    modules = (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan, chunk_states, fused_recurrent)
     times = collections.defaultdict(list)
     launch = fast_launch.launch
 
@@ -68,12 +69,14 @@ def launch_costs(step, n):
         launch(kernel, *args, **kwargs)
         times[kernel.fn.__name__].append(time.perf_counter() - start)
 
-    fast_launch.launch = timed
+    for module in modules:
+        module.launch = timed
     try:
         for _ in range(n):
             step()
     finally:
-        fast_launch.launch = launch
+        for module in modules:
+            module.launch = launch
     torch.cuda.synchronize()
     for name, ts in sorted(times.items(), key=lambda item: -sum(item[1])):
         print(f"launch {name:24s} {len(ts) // n} per step, median {sorted(ts)[len(ts) // 2] * 1e6:6.1f} us, "
@@ -142,13 +145,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--config", default="{}")
     ap.add_argument("--kernel-times", type=int, default=0, metavar="N")
     ap.add_argument("--host", type=int, default=0, metavar="N")
     ap.add_argument("--timeline", type=int, default=0, metavar="N")
     ap.add_argument("--forward-only", action="store_true")
     args = ap.parse_args()
-    config.CONFIG.update(json.loads(args.config))
     x = nha_inputs(args.T, True)
     leaves = [x[n] for n in ("q", "k", "v", "q_rope", "k_rope", "log_alpha", "slot_bias")]
     do = torch.randn(1, args.T, HQ, D, device="cuda", dtype=torch.bfloat16)

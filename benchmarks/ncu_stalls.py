@@ -1,7 +1,7 @@
 """Where a kernel's warps wait, by source line, from an Nsight Compute report (developer tool, GPU machine).
 
 Sums the per-instruction warp-stall samples of `ncu --section WarpStateStats --section SourceCounters
---import-source yes` by source line and by SASS opcode, e.g. (benchmarks/NOTES.md, sessions 17-18):
+--import-source yes` by source line and by SASS opcode, e.g.:
 
     ncu --clock-control none --profile-from-start off -k regex:_rows_kernel -c 1 --section WarpStateStats \
         --section SourceCounters --import-source yes -o prof python3 benchmarks/kernel_profile.py --T 32768

@@ -7,11 +7,8 @@ the bytes / FLOP floors. Writes benchmarks/results/ops_h200.json (records {impl,
 benchmarks/results/ops_h200.md.
 
     python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
-    python benchmarks/ops.py --parts --variants all   # stages at 32K; CONFIG variants side by side
-    python benchmarks/ops.py --variants defaults,window_keys64 --variant-window 512   # variants at another window
-    python benchmarks/ops.py --variants defaults,chunk64 --variant-heads 64,8,128   # ... at other head shapes
-    python benchmarks/ops.py --variants defaults,no_prefetch --variant-graph   # ... replayed from CUDA graphs
-    python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two steps of a session
+    python benchmarks/ops.py --parts --skip nha_graph,sdpa,fla_window,fla_gsa,decode   # each stage at 32K
+    python benchmarks/ops.py --merge run.json gsa.json --out-dir D   # one table from two runs
 
 fla's columns need fla-core and einops (on a machine without network: `pip download fla-core einops --no-deps -d
 .whl` beside it, then `pip install --no-index --no-deps --target /tmp/fla-site .whl/*.whl` there and /tmp/fla-site on
@@ -31,7 +28,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nha_retrofit.kernels import config, nha_attention, nha_recurrent_step_triton  # noqa: E402
+from nha_retrofit.ops.nha.chunk import nha_attention_triton as nha_attention  # noqa: E402
+from nha_retrofit.ops.nha.fused_recurrent import nha_recurrent_step_triton  # noqa: E402
 from nha_retrofit.ops.nha.state import NHAState  # noqa: E402
 
 HQ, H, D, M, B = 32, 8, 128, 64, 1
@@ -205,18 +203,20 @@ def run_decode(layers=28, window=64):
 
 def parts(T=32768, w=64):
     """Time each stage of the NHA kernel path separately (forward stages, window backward, slot backward)."""
-    from nha_retrofit.kernels import chunk_fwd
-    from nha_retrofit.kernels.slot_bwd import slot_backward_triton
-    from nha_retrofit.kernels.window_bwd import window_delta, window_dkv, window_dq
+    from nha_retrofit.ops.nha import chunk_fwd, chunk_states
+    from nha_retrofit.ops.nha.chunk_bwd_slots import slot_backward_triton
+    from nha_retrofit.ops.nha.chunk_bwd_window import window_dkv, window_dq
+    from nha_retrofit.ops.nha.chunk_inputs import Prepared
+    from nha_retrofit.ops.nha.settings import state_segment
 
     x = nha_inputs(T, False)
-    prepare = lambda window, training=False: chunk_fwd.Prepared(  # noqa: E731
+    prepare = lambda window, training=False: Prepared(  # noqa: E731
         x["q"], x["k"], x["v"], x["q_rope"], x["k_rope"], x["log_alpha"], window, None, x["slot_bias"], training)
-    p = prepare(w)  # the forward stages as inference runs them (`chunk_fwd.inference_chunk`)
+    p = prepare(w)  # the forward stages as inference runs them
     out = {}
     out["prepare"] = bench(lambda: prepare(w))
-    segment = config.state_segment(p.nch)  # the inference forward's states: segment-local, or scanned whole
-    states_of = (lambda q: chunk_fwd.local_kv_states(q, segment)) if segment else chunk_fwd.kv_states
+    segment = state_segment(p.nch, p.settings)  # the inference forward's states: segment-local, or scanned whole
+    states_of = (lambda q: chunk_states.local_kv_states(q, segment)) if segment else chunk_states.kv_states
     out["kv_states"] = bench(lambda: states_of(p))
     out["fused fwd, window only"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, False))
     out["fwd total (states + fused)"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
@@ -225,65 +225,17 @@ def parts(T=32768, w=64):
         with mock.patch.object(chunk_fwd, "local_kv_states" if segment else "kv_states",
                                lambda *args, **kwargs: states):
             out[f"fused fwd alone, w={window}"] = bench(lambda: chunk_fwd.forward(q, D**-0.5, True))
-    p = prepare(w, True)  # the backward stages as training runs them (CONFIG["train_chunk"])
-    exact = chunk_fwd.keeps_exact_output(x["q"].dtype)
-    out["fwd total, training chunks"] = bench(
-        lambda: chunk_fwd.forward(p, D**-0.5, True, keep_logits=True, exact_output=exact))
-    o, lse, states, residual = chunk_fwd.forward(p, D**-0.5, True, keep_logits=True, exact_output=exact)
+    p = prepare(w, True)  # the backward stages as training runs them
+    out["fwd total, training chunks"] = bench(lambda: chunk_fwd.forward(p, D**-0.5, True))
+    o, lse, states, residual = chunk_fwd.forward(p, D**-0.5, True)
     do = torch.randn_like(o)
     delta = torch.empty_like(lse)
-    if exact:  # the window dq kernel forms delta = rowsum(dO * O) first
-        out["window dq, delta formed"] = bench(lambda: window_dq(p, do, lse, delta, D**-0.5, (o, residual)))
-    else:  # a delta pass over the window; the slot backward adds the slot share
-        out["window delta"] = bench(lambda: window_delta(p, do, lse, D**-0.5))
-        delta = window_delta(p, do, lse, D**-0.5)
-    for name, given in (("slot bwd, states recomputed", None), ("slot bwd, states given", states)):
-        out[name] = bench(lambda: slot_backward_triton(p, do, lse, delta.clone(), D**-0.5, given, delta_whole=exact))
-    slot_backward_triton(p, do, lse, delta, D**-0.5, delta_whole=exact)  # completes delta unless it is whole
-    if not exact:
-        out["window dq"] = bench(lambda: window_dq(p, do, lse, delta, D**-0.5))
+    out["window dq, delta formed"] = bench(lambda: window_dq(p, do, lse, delta, D**-0.5, (o, residual)))
+    out["slot bwd"] = bench(lambda: slot_backward_triton(p, do, lse, delta, D**-0.5, states, delta_whole=True))
     out["window dkv"] = bench(lambda: window_dkv(p, do, lse, delta, D**-0.5))
     for k, v in out.items():
         print(f"parts T={T} w={w}: {k:28s} {v:8.3f} ms", flush=True)
     return out
-
-
-def variants(lengths, names, w=64, decode=False, graphed=False, modes=("fwd", "fwd+bwd")):
-    """Time each CONFIG variant (in `modes`: forward and forward+backward; `graphed`: replayed from a CUDA graph, the
-    GPU's own time; with `decode` also the eager 28-layer decode step, for variants of the host side) side by side;
-    returns records."""
-    base = dict(config.CONFIG)
-    records = []
-
-    def use(name):
-        overrides = config.variant_overrides(name)
-        config.CONFIG.clear()
-        config.CONFIG.update(base, **overrides)
-        return overrides
-
-    for T in lengths:
-        for name in names:
-            overrides = use(name)
-            for mode in modes:
-                if mode == "fwd" and overrides and not set(overrides) & config.FORWARD_KEYS:
-                    continue  # the forward is the defaults': timed with forward+backward only
-                try:
-                    ms = run_nha(T, w, mode, graphed)
-                except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
-                    print(f"variant {name} T={T} {mode}: failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                    ms = None
-                label = mode + (" graph" if graphed else "")
-                records.append(dict(impl="variant: " + name, T=T, window=w, mode=label, ms=ms, heads=f"{HQ},{H},{D}"))
-                print(f"variant {name:18s} T={T:6d} {label:13s} {ms if ms is None else round(ms, 3)}", flush=True)
-                torch.cuda.empty_cache()
-    for name in names if decode else []:
-        use(name)
-        ms = run_decode(window=w)[0]
-        records.append(dict(impl="variant: " + name, T=None, window=w, mode="decode eager", ms=ms))
-        print(f"variant {name:18s} decode, 28 layers, eager {ms:.3f} ms", flush=True)
-    config.CONFIG.clear()
-    config.CONFIG.update(base)
-    return records
 
 
 def main():
@@ -293,23 +245,10 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of impls to skip")
     ap.add_argument("--gsa-lengths", default="8192,32768")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which fla_gsa is skipped")
-    ap.add_argument("--tune", action="store_true")
     ap.add_argument("--parts", action="store_true", help="also time each stage at T=32K")
-    ap.add_argument("--config", default="{}", help="JSON of config.CONFIG overrides for the whole run")
-    ap.add_argument("--variants", default="",
-                    help="comma list of config.CONFIG_VARIANTS names (or name+name combinations) to time side "
-                    "by side (or 'all')")
-    ap.add_argument("--variant-lengths", default="8192,32768")
-    ap.add_argument("--variant-window", type=int, default=64)
-    ap.add_argument("--variant-modes", default="fwd,fwd+bwd", help="what the variants time: fwd, fwd+bwd or both")
-    ap.add_argument("--variant-heads", default=None, metavar="HQ,H,D",
-                    help="query heads, kv heads and head dim of the variant timings (default 32,8,128)")
-    ap.add_argument("--variant-decode", action="store_true", help="also time each variant's eager decode step")
-    ap.add_argument("--variant-graph", action="store_true",
-                    help="time the variants replayed from a CUDA graph (the GPU's time without the host's)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="time nothing: merge these runs' records (later files win for the same impl, T, window, "
-                    "mode; e.g. the fla_gsa step of the same session) into --out-dir, for --device")
+                    "mode; e.g. a separate fla_gsa run) into --out-dir, for --device")
     ap.add_argument("--device", default="NVIDIA H200", help="the machine named in a --merge table")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -346,29 +285,10 @@ def main():
         save()
         torch.cuda.empty_cache()
 
-    config.CONFIG.update(json.loads(args.config))
-    names = list(config.CONFIG_VARIANTS) if args.variants == "all" else [n for n in args.variants.split(",") if n]
-    for name in names:  # a misspelt variant stops the run here, before any GPU time is spent
-        config.variant_overrides(name)
     t_start = time.time()
     if args.parts:
         for k, v in parts().items():
             records.append(dict(impl="part: " + k, T=32768, window=64, mode="part", ms=v))
-    if names:
-        if args.variant_heads:
-            global HQ, H, D
-            HQ, H, D = (int(x) for x in args.variant_heads.split(","))
-        records += variants([int(x) for x in args.variant_lengths.split(",")], names, w=args.variant_window,
-                            decode=args.variant_decode, graphed=args.variant_graph,
-                            modes=args.variant_modes.split(","))
-    if args.tune:  # pick the fused forward kernel's warps at 32K (a two-point autotune)
-        best = None
-        for warps in (4, 8):
-            config.CONFIG["num_warps_64"] = warps
-            ms = run_nha(32768, 64, "fwd")
-            print(f"tune: num_warps={warps}: fwd 32K {ms:.3f} ms", flush=True)
-            best = (ms, warps) if best is None or ms < best[0] else best
-        config.CONFIG["num_warps_64"] = best[1]
     for T in lengths:
         for mode in ("fwd", "fwd+bwd"):
             for w in (64, 512):
@@ -426,9 +346,9 @@ def table(records, lengths, device):
     for T in lengths:
         cells = [f"{fmt(get.get((i, T, w, 'fwd+bwd')))} ({fmt(get.get((i, T, w, 'fwd')))})" for i, w in cols]
         lines.append(f"| {T} | " + " | ".join(cells) + " |")
-    extra = [r for r in records if r["impl"].startswith(("part: ", "variant: "))]
+    extra = [r for r in records if r["impl"].startswith("part: ")]
     if extra:
-        lines += ["", "Stages at T=32K, w=64 (part) and CONFIG variants, w=64:", ""]
+        lines += ["", "Stages at T=32K, w=64:", ""]
         lines += [f"- {r['impl']} T={r['T']} {r['mode']}: {fmt(r['ms'])} ms" for r in extra]
     dec = [r for r in records if r["mode"] == "decode"]
     if dec:

@@ -49,7 +49,7 @@ def load(folder, dtype):
 
 def operator_check(captured, dtype, seed):
     """Kernels and the PyTorch form (inputs in `dtype`) against float64, one captured layer."""
-    from nha_retrofit.kernels import nha_attention
+    from nha_retrofit.ops import nha_attention
     from nha_retrofit.ops.nha.chunk_torch import nha_chunked
 
     window, scale = captured["window"], captured["scale"]
@@ -83,11 +83,12 @@ def main():
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (PyTorch forms only)")
     args = parser.parse_args()
     import nha_retrofit.modeling.modeling_nha as modeling
+    from nha_retrofit.ops import KERNELS_AVAILABLE
     from nha_retrofit.ops.nha.gates import gate_log_alpha
 
     global DEVICE
     DEVICE = args.device
-    assert modeling.KERNELS_AVAILABLE or DEVICE == "cpu", "Triton kernels did not import"
+    assert KERNELS_AVAILABLE or DEVICE == "cpu", "Triton kernels did not import"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)

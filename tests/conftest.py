@@ -1,5 +1,14 @@
-"""Shared fixtures: the real SmolLM2 (embedded default) converted once per test session; one small converted model
+"""Shared fixtures: the real SmolLM2 (embedded default) converted once per pytest run; one small converted model
 of every supported family."""
+
+import os
+
+import torch
+
+# Without CUDA the Triton kernel tests run under Triton's CPU interpreter, which must be chosen before any kernel
+# is defined (at import of the package's operator): here, before the test modules are collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
@@ -10,7 +19,7 @@ from tiny_models import FAMILY_CONFIGS, tiny_family_model, tiny_llama
 @pytest.fixture(scope="session")
 def smollm2_nha(tmp_path_factory):
     """SmolLM2-135M converted with the default plan (4 full layers, w=64, M=64): (source folder, NHA folder)."""
-    from nha_retrofit.convert import convert, resolve_model
+    from nha_retrofit.conversion import convert, resolve_model
 
     output = tmp_path_factory.mktemp("smollm2") / "nha"
     convert("smollm2-135m", output, full_layers=4, log=lambda *_: None)
@@ -28,7 +37,7 @@ def tiny_llama_folder(tmp_path):
 @pytest.fixture(scope="session", params=list(FAMILY_CONFIGS))
 def family(request, tmp_path_factory):
     """(family, original model, original folder, converted folder): 2 of 6 layers full, w=3, M=5."""
-    from nha_retrofit.convert import convert
+    from nha_retrofit.conversion import convert
 
     name = request.param
     folder = tmp_path_factory.mktemp(name)

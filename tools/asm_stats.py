@@ -9,7 +9,7 @@ def product_kinds(ttgir):
     """'wgmma W, mma.sync S, fma F' of a kernel's TTGIR: how its matrix products run, by their result's layout.
     Hopper's wgmma takes a product of at least 64 rows per warpgroup; smaller ones fall back to mma.sync, whose
     operands go through shared memory into registers (ldmatrix); fp32 "ieee" products run on the FMA units. The
-    merged key kernel's products with the chunk's 32 tokens as rows are mma.sync (NOTES.md, session 32)."""
+    merged key kernel's products with the chunk's 32 tokens as rows are mma.sync."""
     versions = dict(re.findall(r"^(#\w+) = #ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir, re.M))
     kinds = {"wgmma": 0, "mma.sync": 0, "fma": 0}
     for layout in re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<[^>]*, (#\w+)>", ttgir):

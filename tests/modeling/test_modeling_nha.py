@@ -143,23 +143,3 @@ def test_attention_transfer_loss_is_the_mse_to_the_full_attention_output():
         nha(ids, use_cache=False)
     # a full layer computes nothing to transfer
     assert nha.model.layers[1].self_attn.transfer_loss is None
-
-
-@pytest.mark.parametrize("value, scope", [(None, "all"), ("", "all"), ("decode", "decode"), ("all", "all"), ("1", "all"),
-                                          ("0", "0"), ("none", "0"), (" ALL ", "all")])
-def test_kernel_scope_from_the_environment(monkeypatch, value, scope):
-    from nha_retrofit.ops.nha.dispatch import kernel_scope
-
-    if value is None:
-        monkeypatch.delenv("NHA_RETROFIT_KERNELS", raising=False)
-    else:
-        monkeypatch.setenv("NHA_RETROFIT_KERNELS", value)
-    assert kernel_scope() == scope
-
-
-def test_unknown_kernel_scope_is_a_clear_error(monkeypatch):
-    from nha_retrofit.ops.nha.dispatch import kernel_scope
-
-    monkeypatch.setenv("NHA_RETROFIT_KERNELS", "fast")
-    with pytest.raises(ValueError, match="NHA_RETROFIT_KERNELS='fast': expected decode, all or 0"):
-        kernel_scope()

@@ -1,11 +1,13 @@
-"""`nha_attention_triton` (training) and `nha_chunked_triton` (prefill with a carried state) on the Triton kernels."""
+"""The NHA operator in chunks on the Triton kernels: `nha_attention_triton` (differentiable: the autograd function
+over the fused forward and the window and slot backward) and `nha_chunked_triton` (prefill, with a carried state)."""
 
 import torch
 
-from .state import NHAState
-from . import chunk_fwd, settings as config
+from . import chunk_fwd
 from .chunk_bwd_slots import slot_backward_triton
 from .chunk_bwd_window import window_delta, window_dkv, window_dq
+from .chunk_inputs import Prepared
+from .state import NHAState
 
 
 # The kernels form element offsets as a batch index times a batch stride in int32: a call whose largest
@@ -33,19 +35,15 @@ def _backward_can_run(*inputs):
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
 
 
-def _has_slots(prep, filled0_any=False):
-    return prep.W < prep.T or filled0_any
-
-
 _SIDE_STREAMS = {}  # CUDA device index -> the second stream the window backward's key kernel may run on
 
 
 def _window_dkv_beside(p, do, lse, delta, scale):
-    """`window_dkv` for a backward whose delta is already whole: from CONFIG["overlap_window_dkv"] tokens on a second
-    CUDA stream, beside the slot backward that follows. Returns (dk_rope, dv, join): join() makes the current stream
-    wait for them (a no-op where they were formed on it)."""
-    overlap_from = config.CONFIG["overlap_window_dkv"]
-    if not (do.is_cuda and overlap_from and p.B * p.T >= overlap_from):
+    """`window_dkv` for a backward whose delta is already whole: from `overlap_tokens` tokens on a second CUDA stream,
+    beside the slot backward that follows (shorter steps are host-bound: the fork and join cost more than they
+    save). Returns (dk_rope, dv, join): join() makes the current stream wait for them (a no-op where they were formed
+    on it)."""
+    if not (do.is_cuda and p.B * p.T >= p.settings.window_backward.overlap_tokens):
         return (*window_dkv(p, do, lse, delta, scale), lambda: None)
     main = torch.cuda.current_stream(do.device)
     side = _SIDE_STREAMS.get(do.device.index)
@@ -66,20 +64,17 @@ def _window_dkv_beside(p, do, lse, delta, scale):
 class _NHAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training):
-        prep = chunk_fwd.Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
-        has_slots = _has_slots(prep)
-        keep_states = has_slots and config.CONFIG["save_states"] and training
-        # the backward's delta = rowsum(dO * O) from an fp32-accurate output (formed in the window dq kernel, so
-        # with a window), else by a delta pass over the window and the slot share
-        exact_output = has_slots and prep.W > 0 and training and chunk_fwd.keeps_exact_output(q.dtype)
-        o, lse, states, residual = chunk_fwd.forward(prep, scale, has_slots, keep_logits=keep_states,
-                                                     exact_output=exact_output)
-        keep = states if keep_states else ()
+        prep = Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
+        o, lse, states, residual = chunk_fwd.forward(prep, scale, prep.has_slots)
+        # with slots and a window the output is exact (o and its residual: `residual.py`), so the backward's delta
+        # is rowsum(dO * O), formed by the window dq kernel; else a delta pass over the window and the slot share
+        exact = training and prep.has_slots and prep.W > 0
+        keep = states if training and states is not None else ()
         # every tensor the backward reads goes through save_for_backward (none on ctx attributes), so gradient
         # checkpointing (its saved-tensor hooks) frees them after the forward and recomputes them
-        ctx.save_for_backward(lse, o if exact_output else None, residual, *prep.tensors(), *keep)
+        ctx.save_for_backward(lse, o if exact else None, residual, *prep.tensors(), *keep)
         ctx.prep = prep.with_tensors((None,) * len(prep.TENSORS))
-        ctx.scale, ctx.has_slots = scale, has_slots
+        ctx.scale = scale
         return o
 
     @staticmethod
@@ -89,32 +84,26 @@ class _NHAFunction(torch.autograd.Function):
         p, scale = ctx.prep.with_tensors(saved[:n]), ctx.scale
         states = tuple(saved[n:]) or None
         do = do.contiguous()
-        # delta = sum P * dP, exact (not rowsum(dO * O) of the bf16 output): rowsum(dO * O) of the forward's
-        # fp32-accurate output, formed by the window dq kernel; or the window share here and the slot share
-        # added by the slot backward
-        exact = o is not None  # (then there are slots and a window)
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=do.device)  # noqa: E731
         bias_grad = ctx.needs_input_grad[6]
-        if exact:  # delta is whole after the window dq kernel: the window's key kernel needs nothing of the slot
-            # backward, which sums the two halves' dv
-            delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
+        if o is not None:  # delta is whole after the window dq kernel: the window's key kernel needs nothing of the
+            # slot backward, which sums the two halves' dv
+            delta = torch.empty(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
             dqr = window_dq(p, do, lse, delta, scale, (o, residual))
             dkr, dv_w, join = _window_dkv_beside(p, do, lse, delta, scale)
             dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad, True, dv_w,
                                                           join)
         else:
             delta = window_delta(p, do, lse, scale)
-            if ctx.has_slots:
+            if p.has_slots:  # (and no window)
                 dq, dk, dv, dla, dbias = slot_backward_triton(p, do, lse, delta, scale, states, bias_grad)
+                dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
             else:  # every position sees its whole past through the window
                 dq, dk, dv = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D), zeros(p.B, p.T, p.H, p.DV)
                 dla, dbias = zeros(p.B, p.T, p.H, p.M), zeros(p.HQ) if bias_grad else None
-        if p.W > 0 and not exact:
-            dqr = window_dq(p, do, lse, delta, scale)
-            dkr, dv_w = window_dkv(p, do, lse, delta, scale)
-            dv = torch.add(dv, dv_w, out=torch.empty_like(dv, dtype=p.v.dtype))  # the sum rounded once, one kernel
-        elif p.W == 0:
-            dqr, dkr = zeros(p.B, p.T, p.HQ, p.D), zeros(p.B, p.T, p.H, p.D)
+                dqr = window_dq(p, do, lse, delta, scale)
+                dkr, dv_w = window_dkv(p, do, lse, delta, scale)
+                dv = dv_w.to(p.v.dtype)
         cast = lambda g, like: g.to(like.dtype)  # noqa: E731 (a no-op for what the kernels store in the inputs' dtypes)
         return (
             cast(dq, p.q), cast(dk, p.k), cast(dv, p.v), cast(dqr, p.q_rope), cast(dkr, p.k_rope),
@@ -164,9 +153,9 @@ def _forward_with_state(q, k, v, q_rope, k_rope, log_alpha, window, scale, atten
     sq, sk_, sv_, sqr, skr, sla, smask = stream
     total = prefix + new_len
     win = total if window is None else window
-    prep = chunk_fwd.Prepared(sq, sk_, sv_, sqr, skr, sla, win, smask, slot_bias)
+    prep = Prepared(sq, sk_, sv_, sqr, skr, sla, win, smask, slot_bias)
     o, _, states, _ = chunk_fwd.forward(
-        prep, scale, _has_slots(prep, carried),
+        prep, scale, prep.has_slots or carried,
         initial_keys=initial_state.slot_keys if carried else None,
         initial_values=initial_state.slot_values if carried else None,
         filled0=None if filled0 is None else filled0.to(torch.int32),

@@ -1,30 +1,24 @@
 """Triton backward of the sliding-window half of NHA, flash style, fed the JOINT log-sum-exp L (slots and
 window under one softmax) and delta = sum P * dP = rowsum(dO * O): p = exp(s - L), ds = p * (dO . v - delta).
 
-Two kernels: `_dq_kernel` per query block (rows = CQ tokens x G query heads of one kv head) and
+Two kernels: `_dq_kernel` per query block (rows = 16 tokens x G query heads of one kv head) and
 `_dkv_kernel` per key block, looping over the query blocks that see it (keys j are seen by t in j .. j+W-1).
 delta must be exact (sum P * dP as the backward forms P and dP; rowsum(dO * O) of the rounded bf16 output is
 ~2e-3 off, which the slot_bias gradient, a cancellation, does not survive). Two ways:
-- after a training forward with `exact_output` (o + its rounding residual = the fp32 output from unrounded
-  weights), `window_dq` runs first and its kernel forms delta = rowsum(dO * O) for every kernel after it;
+- after a training forward with slots and a window (its output is exact: `residual.py`), `window_dq` runs first
+  and its kernel forms delta = rowsum(dO * O) for every kernel after it;
 - else `window_delta` runs `_dq_kernel` in a delta mode first (the window share; the slot backward adds the
   slot share).
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import chunk_fwd, settings as config
-from .chunk_fwd import _query_rows, _real, _row_stats, _token_strides, _with_residual
-from .launch import cdiv, next_power_of_2
-
-CQ = 16  # query tokens per program of the dq kernel and per query block of the dkv kernel
-# (CONFIG["window_bwd_block"] overrides)
-# bf16/fp16 inputs: keep p and ds in fp32 (tf32 products) instead of rounding them to the input dtype
-HIGH = os.environ.get("NHA_KERNEL_BWD_TF32", "0") == "1"
+from .chunk_inputs import batch_strides
+from .launch import cdiv, launch, next_power_of_2
+from .residual import with_residual
+from .rows import query_rows, real, row_stats, token_strides
 
 
 @triton.jit
@@ -32,27 +26,26 @@ def _dq_kernel(
     QR, KR, V, DO, O, ORES, LSE, DELTA, MASK, DQR,
     sq_b, sk_b, sv_b, so_b, T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
-    DELTA_ONLY: tl.constexpr,
+    CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, DELTA_ONLY: tl.constexpr,
 ):
     """dq_rope of the window part; with DELTA_ONLY, instead DELTA[row] = sum_j p_j (dO . v_j) (its window
     share of an exact delta = sum P * dP; the slot backward adds the slot share). With O (the forward's output,
-    ORES its rounding residual or None: `chunk_fwd._with_residual`), first DELTA[row] = rowsum(dO * O), the whole
-    delta."""
-    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
-    pid_bh, b, h, t0, r, tok, t, tv, hq = _query_rows(T, H, GQ, CQB, BR)
+    ORES its int8 rounding residual or None for fp32: `residual.with_residual`), first DELTA[row] = rowsum(dO * O),
+    the whole delta."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
+    pid_bh, b, h, t0, r, tok, t, tv, hq = query_rows(T, H, GQ, CQB, BR)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     row = b * sq_b + t.to(tl.int64) * sq_t + hq * D
     orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
-    lrow, lse, delta = _row_stats(LSE, DELTA if O is None else None, b, t, hq, tv, T, HQ)
+    lrow, lse, delta = row_stats(LSE, DELTA if O is None else None, b, t, hq, tv, T, HQ)
     qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
     do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
     if O is not None:  # its loads go out with q_rope's and dO's (0.035 ms less per 32K step than column passes
-        # before them, NOTES.md session 21)
+        # before them)
         out = tl.load(O + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
         if ORES is not None:
-            out = _with_residual(out, tl.load(ORES + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0))
+            out = with_residual(out, tl.load(ORES + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0))
         delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
         tl.store(DELTA + lrow, delta, mask=tv)
     dq = tl.zeros([BR, D], dtype=tl.float32)
@@ -68,17 +61,14 @@ def _dq_kernel(
         vv = tl.load(V + b * sv_b + j[:, None].to(tl.int64) * sv_t + h * sv_h + offs_dv[None, :],
                      mask=jin[:, None], other=0.0)
         s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
-        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & _real(MASK, b, T, j, jin)[None, :]
+        valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & real(MASK, b, T, j, jin)[None, :]
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
         if DELTA_ONLY:
             dsum += tl.sum(p * dp, 1)
         else:
             ds = p * (dp - delta[:, None])
-            if HIGH:
-                dq += tl.dot(ds, kr.to(tl.float32), input_precision="tf32")
-            else:
-                dq += tl.dot(ds.to(kr.dtype), kr, input_precision=PREC)
+            dq += tl.dot(ds.to(kr.dtype), kr, input_precision=PREC)
     if DELTA_ONLY:
         tl.store(DELTA + lrow, dsum, mask=tv)
     else:
@@ -90,9 +80,10 @@ def _dkv_kernel(
     QR, KR, V, DO, LSE, DELTA, MASK, DKR, DV_,
     sq_b, sk_b, sv_b, so_b, T, W, scale,
     HQ: tl.constexpr, H: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HIGH: tl.constexpr,
+    CQB: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
 ):
-    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = _token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
+    """dk_rope and dv of the window part for a block of BN keys, over the query blocks that see them."""
+    sq_t, sk_t, sk_h, sv_t, sv_h, so_t = token_strides(HQ, H, D, DV)  # (dq_rope, dk_rope, dv: as q, k, v)
     pid_k = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -106,7 +97,7 @@ def _dkv_kernel(
     vrow = b * sv_b + j.to(tl.int64) * sv_t + h * sv_h
     kr = tl.load(KR + krow[:, None] + offs_d[None, :], mask=jin[:, None], other=0.0)
     vv = tl.load(V + vrow[:, None] + offs_dv[None, :], mask=jin[:, None], other=0.0)
-    key_real = _real(MASK, b, T, j, jin)
+    key_real = real(MASK, b, T, j, jin)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, DV], dtype=tl.float32)
     r = tl.arange(0, BR)
@@ -122,86 +113,72 @@ def _dkv_kernel(
         qr = tl.load(QR + row[:, None] + offs_d[None, :], mask=tv[:, None], other=0.0)
         orow = b * so_b + t.to(tl.int64) * so_t + hq * DV
         do = tl.load(DO + orow[:, None] + offs_dv[None, :], mask=tv[:, None], other=0.0)
-        lrow, lse, delta = _row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
+        lrow, lse, delta = row_stats(LSE, DELTA, b, t, hq, tv, T, HQ)
         s = tl.dot(qr, tl.trans(kr), input_precision=PREC) * scale
         valid = (j[None, :] <= t[:, None]) & (j[None, :] > t[:, None] - W) & key_real[None, :] & tv[:, None]
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-        if HIGH:
-            dv += tl.dot(tl.trans(p), do.to(tl.float32), input_precision="tf32")
-        else:
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
         ds = p * (dp - delta[:, None])
-        if HIGH:
-            dk += tl.dot(tl.trans(ds), qr.to(tl.float32), input_precision="tf32")
-        else:
-            dk += tl.dot(tl.trans(ds).to(qr.dtype), qr, input_precision=PREC)
+        dk += tl.dot(tl.trans(ds).to(qr.dtype), qr, input_precision=PREC)
     tl.store(DKR + krow[:, None] + offs_d[None, :], (dk * scale).to(DKR.dtype.element_ty), mask=jin[:, None])
     tl.store(DV_ + vrow[:, None] + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=jin[:, None])
 
 
-def _launch(p, do, scale, cq, keys):
-    """(batch strides and scalars, launch settings) shared by the window kernels, for query blocks of cq tokens and
-    BN = `keys` (keys per tile of the dq kernel's loop, keys per program of the dkv kernel)."""
-    G = p.G
-    BR = max(16, next_power_of_2(cq * G))
-    q, k, v, _, o = chunk_fwd.batch_strides(p, do)  # (no gates here)
+def _launch(p, do, scale, keys):
+    """(batch strides and scalars, launch settings) shared by the window kernels, for BN = `keys` (keys per tile of
+    the dq kernel's loop, keys per program of the dkv kernel)."""
+    settings = p.settings.window_backward
+    cq = settings.block_tokens
+    BR = max(16, next_power_of_2(cq * p.G))
+    q, k, v, _, o = batch_strides(p, do)  # (no gates here)
     args = (q, k, v, o, p.T, p.W, float(scale))
-    meta = dict(HQ=p.HQ, H=p.H, GQ=G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=keys, PREC=p.prec,
-                HIGH=HIGH and p.prec != "ieee", num_warps=4 if BR <= 64 else 8, num_stages=2)
+    meta = dict(HQ=p.HQ, H=p.H, GQ=p.G, D=p.D, DV=p.DV, CQB=cq, BR=BR, BN=keys, PREC=p.prec,
+                num_warps=4 if BR <= 64 else 8, num_stages=settings.stages)
     return args, meta
 
 
-def dq_keys(W):
-    """Keys per tile of the dq (and delta) kernel's loop for a window of W tokens: CONFIG["window_dq_keys"], else 16
-    up to W = 64 (a 16-token block's 79 keys at w = 64 in 5 tiles of 16, 80 keys computed, against 96 in 3 tiles of
-    32) and 32 above (16-key tiles made the w = 512 step 0.15 ms slower on the H200, NOTES.md session 39)."""
-    return config.CONFIG["window_dq_keys"] or (16 if W <= 64 else 32)
+def _dq_keys(p):
+    """Keys per tile of the dq (and delta) kernel's loop: fewer up to a 64-token window (a 16-token block's 79 keys
+    at w = 64 in 5 tiles of 16: 80 keys computed, against 96 in 3 tiles of 32)."""
+    settings = p.settings.window_backward
+    return settings.dq_keys_short if p.W <= 64 else settings.dq_keys_long
+
+
+def _dkv_keys(p):
+    """Keys per program of the dkv kernel: a program loads the (keys + w) / 16 query blocks its keys see."""
+    settings = p.settings.window_backward
+    return settings.dkv_keys_short if p.W <= 64 else settings.dkv_keys_long
 
 
 def window_delta(p, do, lse, scale):
     """The window share of delta = sum P * dP per row: [B, T, HQ] fp32 (0 without a window)."""
     if p.W == 0:
         return torch.zeros(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)
-    delta = chunk_fwd.alloc(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
-    do = do.contiguous()
-    args, meta = _launch(p, do, scale, config.CONFIG["window_bwd_block"] or CQ, dq_keys(p.W))
-    chunk_fwd.launch("window delta", _dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H),
-                     p.q_rope, p.k_rope, p.v, do, None, None, lse, delta, p.mask, delta, *args, DELTA_ONLY=True,
-                     **meta)
+    delta = torch.empty(p.B, p.T, p.HQ, dtype=torch.float32, device=do.device)  # every row is written
+    args, meta = _launch(p, do, scale, _dq_keys(p))
+    launch(_dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H), p.q_rope, p.k_rope, p.v, do, None, None, lse, delta,
+           p.mask, delta, *args, DELTA_ONLY=True, **meta)
     return delta
 
 
 def window_dq(p, do, lse, delta, scale, output=None):
     """dq_rope of the window half, in the inputs' dtype (stored once, rounded in the kernel). With `output`, the
-    forward's (o, its rounding residual or None) from `exact_output`, the kernel first writes delta =
-    rowsum(dO * O) into `delta` (which may be uninitialized); else `delta` must be complete."""
-    do = do.contiguous()
-    dqr = chunk_fwd.alloc(p.B, p.T, p.HQ, p.D, dtype=p.q_rope.dtype, device=do.device)
-    cq = config.CONFIG["window_bwd_block"] or CQ
-    args, meta = _launch(p, do, scale, cq, dq_keys(p.W))
-    chunk_fwd.launch("window dq", _dq_kernel, (cdiv(p.T, cq), p.B * p.H),
-                     p.q_rope, p.k_rope, p.v, do, *(output or (None, None)), lse, delta, p.mask, dqr, *args,
-                     DELTA_ONLY=False, **meta)
+    forward's (o, its int8 rounding residual or None), the kernel first writes delta = rowsum(dO * O) into `delta`
+    (which may be uninitialized); else `delta` must be complete."""
+    dqr = torch.empty(p.B, p.T, p.HQ, p.D, dtype=p.q_rope.dtype, device=do.device)
+    args, meta = _launch(p, do, scale, _dq_keys(p))
+    launch(_dq_kernel, (cdiv(p.T, meta["CQB"]), p.B * p.H), p.q_rope, p.k_rope, p.v, do, *(output or (None, None)),
+           lse, delta, p.mask, dqr, *args, DELTA_ONLY=False, **meta)
     return dqr
-
-
-def dkv_keys(W):
-    """Keys per program of the dkv kernel for a window of W tokens: CONFIG["window_dkv_keys"], else 32 up to W = 64
-    (the fewest computed pairs that do not spill) and 64 above (fewer query loads per key; both measured at their
-    end: w = 64 and w = 512)."""
-    return config.CONFIG["window_dkv_keys"] or (32 if W <= 64 else 64)
 
 
 def window_dkv(p, do, lse, delta, scale):
     """(dk_rope in the inputs' dtype, dv in fp32 (the slot part's is added to it)) of the window half."""
     B, T, H, D, DV = p.B, p.T, p.H, p.D, p.DV
-    do = do.contiguous()
-    dkr = chunk_fwd.alloc(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
-    dv = chunk_fwd.alloc(B, T, H, DV, dtype=torch.float32, device=do.device)
-    cq = config.CONFIG["window_dkv_block"] or config.CONFIG["window_bwd_block"] or CQ
-    args, meta = _launch(p, do, scale, cq, dkv_keys(p.W))
-    meta["num_warps"] = config.CONFIG["window_dkv_warps"] or meta["num_warps"]
-    chunk_fwd.launch("window dkv", _dkv_kernel, (cdiv(T, meta["BN"]), B * H),
-                     p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv, *args, **meta)
+    dkr = torch.empty(B, T, H, D, dtype=p.k_rope.dtype, device=do.device)
+    dv = torch.empty(B, T, H, DV, dtype=torch.float32, device=do.device)
+    args, meta = _launch(p, do, scale, _dkv_keys(p))
+    launch(_dkv_kernel, (cdiv(T, meta["BN"]), B * H), p.q_rope, p.k_rope, p.v, do, lse, delta, p.mask, dkr, dv,
+           *args, **meta)
     return dkr, dv

@@ -6,9 +6,9 @@ A scan over n chunks is a chain of n dependent steps (one program walking all of
 the H200, n = 512, however many programs ran). `chained_chunk_scan` cuts the chain into segments of K
 chunks, each loaded as one block and scanned from zero in registers; only the segments' carries pass from one to
 the next, in one launch: each segment's program waits for its predecessor's carry and stores its states through
-it, so the states cross DRAM once each way. (Its first form, a segment scan launch and a fixup launch, moved them
-twice and cost ~0.45 ms more per 32K training step: NOTES.md, session 14; its second walked each segment twice,
-reading its chunks twice: 0.41 against 0.29 ms per 32K training scan, session 19.) `naive_chunk_scan` is the
+it, so the states cross DRAM once each way (a segment scan launch plus a fixup launch moved them twice: ~0.45 ms
+more per 32K training step; walking each segment twice read its chunks twice: 0.41 against 0.29 ms per 32K
+training scan). `naive_chunk_scan` is the
 plain PyTorch definition it is tested against. Several state arrays that share their decays (the key and the value
 states) scan in one launch: state row r takes the decays of row r % NBH.
 """
@@ -17,9 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch as fast_launch
-from .launch import cdiv, next_power_of_2
-from .launch import counters
+from .launch import cdiv, counters, launch, next_power_of_2
 
 
 def naive_chunk_scan(b, dec, x0=None, reverse=False):
@@ -53,8 +51,7 @@ def _chained_scan_kernel(BIN, DEC, OUT, X0, CARRY, FLAGS, N, NSEG, ROWS, SHIFT, 
     affine maps over the block's chunks, which each thread holds for its columns: per step the decay product and
     the state), waits for the carry out of segment s - 1 (CARRY, published by setting its flag), publishes its own
     carry out, and stores its states, the carry taken through the scanned maps. Each input and state crosses DRAM
-    once (a walk over the steps read them twice: once for the segment's carry, once to store its states; NOTES.md
-    session 19).
+    once (a walk over the steps read them twice: once for the segment's carry, once to store its states).
 
     Step i of the walk outputs chunk i (forward: the state after it) or N - 1 - i (reverse: the state after it,
     i.e. before step i of the walk back: the inclusive scan over the chunks after it, so step i takes the input
@@ -126,21 +123,21 @@ def scan_warps(slots, X):
     return max(1, min(8, slots * next_power_of_2(X) // 128))
 
 
-def chained_chunk_scan(bin_, dec, out, segment, slots, x0=None, reverse=False, fast=True):
+def chained_chunk_scan(bin_, dec, out, segment, slots, x0=None, reverse=False):
     """The scan of `naive_chunk_scan` in one launch of chained segments of `segment` chunks, into `out` (may be
     `bin_`: in place).
 
     bin_ / out: [S * BH, rows, M, X] fp32 state arrays holding chunk c at row c + rows - n (the forward's states
     have the state before chunk 0 in row 0), S of them sharing dec: [BH, n, M]; x0: [S * BH, M, X] or None (zero);
-    slots: state slots per program (a power of two); fast: launched by `fast_launch`."""
+    slots: state slots per program (a power of two)."""
     nbh, n, M = dec.shape
     BH, rows, X = out.shape[0], out.shape[1], out.shape[-1]
     nseg = cdiv(n, segment)
     nchain = cdiv(M, slots) * BH
     flags = counters(out.device, 1 + nchain * nseg)
     carry = torch.empty(nchain, nseg, slots * next_power_of_2(X), dtype=torch.float32, device=out.device)
-    fast_launch.launch(_chained_scan_kernel, (nchain * nseg,), bin_, dec, out, out if x0 is None else x0, carry,
+    launch(_chained_scan_kernel, (nchain * nseg,), bin_, dec, out, out if x0 is None else x0, carry,
                        flags, n, nseg, rows, rows - n, nbh, nchain, M=M, DX=X, DXP=next_power_of_2(X), BM=slots,
                        K=segment, KB=next_power_of_2(segment), REVERSE=reverse, HAS_X0=x0 is not None,
-                       num_warps=scan_warps(slots, X), fast=fast)
+                       num_warps=scan_warps(slots, X))
     return out

@@ -1,6 +1,6 @@
 """NHA in chunked form: plain PyTorch, differentiable, memory O(T * (window + chunk)) instead of O(T^2).
 
-Notation (DESIGN.md section 2). Token j is *absorbed* into the slots when it leaves the window: query t reads
+Notation (docs/design.md section 2). Token j is *absorbed* into the slots when it leaves the window: query t reads
 the slots after tokens 0..t-w were absorbed, plus the window t-w+1..t, under one softmax. So the slot part is
 an inclusive gated-slot read over an "absorption stream" of the first L-w tokens, queried by q shifted by w:
 query t reads the state after absorption step tau = t - w.

@@ -33,22 +33,20 @@ def kernel_scope() -> str:
     return scope
 
 
-def _pow2(x, lo=16, hi=256):
-    return lo <= x <= hi and (x & (x - 1)) == 0
-
-
-def kernels_support(q, k, v, log_alpha) -> bool:
-    """Whether the Triton kernels take these tensors: CUDA, fp32/bf16/fp16, head dims and slot counts powers of two
-    (16..256 and 16..128), query heads a multiple of kv heads."""
+def shapes_supported(q, k, v, log_alpha) -> bool:
+    """Whether the Triton kernels take tensors of these shapes and dtypes (those their GPU tests cover): one dtype of
+    fp32, bf16 or fp16, head dims 64 or 128 with values as wide as keys, 16 to 128 slots (a power of two), query
+    heads a multiple of kv heads. Anything else runs the PyTorch forms."""
     return (
-        triton is not None and q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and _pow2(q.shape[-1]) and _pow2(v.shape[-1]) and _pow2(log_alpha.shape[-1], 16, 128)
-        and q.shape[2] % k.shape[2] == 0
+        q.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+        and q.shape[-1] in (64, 128) and k.shape[-1] == v.shape[-1] == q.shape[-1]
+        and log_alpha.shape[-1] in (16, 32, 64, 128) and q.shape[2] % k.shape[2] == 0
     )
 
 
 def _use_kernels(q, k, v, log_alpha, scopes):
-    return KERNELS_AVAILABLE and kernel_scope() in scopes and kernels_support(q, k, v, log_alpha)
+    return (KERNELS_AVAILABLE and q.is_cuda and kernel_scope() in scopes
+            and shapes_supported(q, k, v, log_alpha))
 
 
 def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None):

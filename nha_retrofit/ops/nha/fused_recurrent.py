@@ -1,7 +1,7 @@
 """One-token NHA decode step in Triton, same contract as `nha_recurrent_step`: the state is updated in place.
 
 One launch, split over the window like flash-decoding, so a long window is read by many programs at once. Program
-(sequence x kv head, block of BLOCK window entries):
+(sequence x kv head, block of `window_block` window entries, `settings.DecodeSettings`):
 - the softmax partials (max, sum, P.V) of the G query heads of that kv head over its entries (post-RoPE q), the
   new token standing in for the ring entry it takes over (the oldest);
 - the block holding that entry also absorbs the leaving token (window 0: the new token itself) into the fp32
@@ -19,12 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, counters, launch, next_power_of_2
+from .products import dot_precision
+from .settings import settings_for
 from .state import NHAState
-from .chunk_fwd import alloc, launch
-from .launch import cdiv, next_power_of_2
-from .launch import counters
-
-BLOCK = 64  # window entries per program: a long window is read by many programs at once, then merged
 
 
 @triton.jit
@@ -219,18 +217,19 @@ def nha_recurrent_step_triton(
     token_mask = None if attention_mask is None else attention_mask[:, -1]
     if token_mask is not None and token_mask.dtype == torch.bool:
         token_mask = token_mask.view(torch.int8)
-    out = alloc(batch, 1, q_heads, value_dim, dtype=q.dtype, device=q.device)
+    settings = settings_for(q.device).decode
+    out = torch.empty(batch, 1, q_heads, value_dim, dtype=q.dtype, device=q.device)
     mask_args = (out, 0) if token_mask is None else (token_mask, token_mask.stride(0))
     groups = q_heads // kv_heads
     rows = max(16, next_power_of_2(groups))
-    blocks = max(cdiv(window, BLOCK), 1)
+    blocks = max(cdiv(window, settings.window_block), 1)
     if blocks == 1:  # no partials: the one block writes the output
         part_acc = part_ml = out
     else:
         part_acc = torch.empty(batch * kv_heads * blocks * rows * value_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch * kv_heads * blocks * 2 * rows, dtype=torch.float32, device=q.device)
     launch(
-        "decode", _decode_kernel, (batch * kv_heads, blocks),
+        _decode_kernel, (batch * kv_heads, blocks),
         q.contiguous(), q_rope.contiguous(), k.contiguous(), k_rope.contiguous(), v.contiguous(),
         log_alpha.contiguous(), *mask_args,
         state.window_keys, state.window_keys_rope, state.window_values, state.window_log_alpha,
@@ -239,9 +238,8 @@ def nha_recurrent_step_triton(
         part_acc, part_ml, counters(q.device, batch * (kv_heads + 1)),
         window, float(scale), 1.0 / (gate_normalizer or 1.0), batch, HAS_MASK=token_mask is not None,
         HAS_BIAS=slot_bias is not None, GATE=gate_normalizer is not None, RING=window > 0, SINGLE=blocks == 1,
-        HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=rows, BN=BLOCK,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8,  # the slot tiles: 4 warps spill at D = 128 (regreport)
+        HQ=q_heads, H=kv_heads, GQ=groups, D=head_dim, DV=value_dim, M=slots, BR=rows, BN=settings.window_block,
+        PREC=dot_precision(q.dtype), num_warps=settings.warps,
     )
     return out, state
 

@@ -1,4 +1,4 @@
-"""The NHA gate (DESIGN.md section 2): log(alpha) = logsigmoid(f) / tau from the gate projection's logits f."""
+"""The NHA gate (docs/design.md section 2): log(alpha) = logsigmoid(f) / tau from the gate projection's logits f."""
 
 import torch.nn.functional as F
 

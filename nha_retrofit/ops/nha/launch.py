@@ -1,14 +1,14 @@
-"""Kernel launches with less host time than `kernel[grid](...)`.
+"""Kernel launches with less host time than `kernel[grid](...)`, and the device buffers launches share.
 
 Triton's launch path re-derives the kernel's specialization from every argument on every call (binding, the
 alignment and value checks of each argument, the cache key), then calls the compiled kernel's launcher: 40-86 us
-per launch in Triton 3.6 on the H200's host, against 0.1-0.3 ms of GPU time for the training step's kernels at
-T = 4K, so a short step is host-bound (NOTES.md, session 15). `launch` keeps the compiled kernel Triton returns
-per call signature and calls its launcher directly. The signature holds all that Triton specializes on, and finer:
-the current device, the launch options, each tensor's dtype and address mod 16, each runtime int's classes (int32 /
-int64 / uint64 range, whether it is 1, whether 16 divides it), each runtime float's type, and every other argument
-(constexprs, keyword arguments, bools, None) by value. So a launch whose ints change on every call (the decode
-step's growing mask stride, another sequence length) reuses its kernel as Triton's own cache would.
+per launch in Triton 3.6 on an H200's host, against 0.1-0.3 ms of GPU time for the training step's kernels at
+T = 4K, so a short step is host-bound. `launch` keeps the compiled kernel Triton returns per call signature and calls
+its launcher directly. The signature holds all that Triton specializes on, and finer: the current device, the launch
+options, each tensor's dtype and address mod 16, each runtime int's classes (int32 / int64 / uint64 range, whether
+it is 1, whether 16 divides it), each runtime float's type, and every other argument (constexprs, keyword arguments,
+bools, None) by value. So a launch whose ints change on every call (the decode step's growing mask stride, another
+sequence length) reuses its kernel as Triton's own cache would.
 
 A signature seen for the first time goes through Triton's own path, which compiles or finds the kernel; so does
 every launch under the CPU interpreter, and while a launch hook is set (profilers such as proton use them).
@@ -20,6 +20,7 @@ the H200's 227 KB, where Triton 3.9 needed 104 KB), so the launch settings canno
 """
 
 import logging
+import math
 
 import torch
 import triton
@@ -45,7 +46,7 @@ _stages_that_fit = {}  # (kernel, keyword arguments) -> the num_stages its launc
 
 
 def cdiv(a, b):
-    """triton.cdiv for host code: Triton's is a constexpr function, 2.3-2.7 us per host call (NOTES.md, session 16)."""
+    """triton.cdiv for host code: Triton's is a constexpr function, 2.3-2.7 us per host call."""
     return -(-a // b)
 
 
@@ -96,12 +97,12 @@ def _fitting(kernel, grid, args, kwargs):
                                              exc, stages - 1)
 
 
-def launch(kernel, grid, *args, fast=True, **kwargs):
-    """kernel[grid](*args, **kwargs), through the kept compiled kernel when `fast` and its signature was seen."""
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), through the kept compiled kernel where its signature was seen."""
     if _stages_that_fit:  # (empty unless a launch overflowed the shared memory)
         stages = _stages_that_fit.get((kernel, tuple(kwargs.items())))
         kwargs = kwargs if stages is None else dict(kwargs, num_stages=stages)
-    if not fast or CompiledKernel is None or not torch.cuda.is_available() or _hooked():
+    if CompiledKernel is None or not torch.cuda.is_available() or _hooked():
         _fitting(kernel, grid, args, kwargs)
         return
     device = torch.cuda.current_device()
@@ -140,3 +141,22 @@ def counters(device, size):
     if buffer is None or buffer.numel() < size:
         buffer = _COUNTERS[key] = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
     return buffer
+
+
+_CONSTANTS = {}  # (value, dtype, device) -> the fill buffers handed out so far, the largest last
+
+
+def constant(shape, value, dtype, device):
+    """A read-only tensor of `shape` filled with `value`: a view of one cached buffer per (value, dtype, device), so
+    a step without a mask or a slot bias launches no fill kernels (each costs ~20 us of host time). A buffer
+    outgrown is kept, since a captured CUDA graph may still read it; during capture the fill is fresh (the cache
+    must not hand out memory of the graph's private pool)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.full(shape, value, dtype=dtype, device=device)
+    n = math.prod(shape)
+    buffers = _CONSTANTS.setdefault((value, dtype, device), [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.full((max(n, 2 * buffers[-1].numel() if buffers else 4096),), value, dtype=dtype,
+                                  device=device))
+    return buffers[-1][:n].view(shape)

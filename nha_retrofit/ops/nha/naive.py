@@ -1,4 +1,4 @@
-"""The NHA operator written as directly as possible (DESIGN.md section 2): the readable definition.
+"""The NHA operator written as directly as possible (docs/design.md section 2): the readable definition.
 
 Dense in time: the slot state after every absorption step is built from all earlier tokens with explicit
 [T, T, M] decay weights, and the window is a [T, T] band mask. Memory O(T^2 * M): for tests and for reading,

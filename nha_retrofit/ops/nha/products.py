@@ -1,7 +1,7 @@
 """Matrix products of fp32 operands at a chosen precision (Triton helpers shared by the NHA kernels).
 
 The slot states and the decay-weighted slot weights are fp32, and the slot logits must be near fp32-exact (the
-backward's P = exp(l - L) has to match the forward's L; plain TF32 broke the log_alpha gradient, NOTES.md v2).
+backward's P = exp(l - L) has to match the forward's L; plain TF32 broke the log_alpha gradient).
 SPREC names how an fp32 x fp32 product is formed:
 - "ieee": exact fp32 (fp32 inputs);
 - "tf32": one TF32 MMA (10 mantissa bits per operand);
@@ -17,6 +17,12 @@ other operand (the third MMA would multiply the exact operand's zero low part: t
 import torch
 import triton
 import triton.language as tl
+
+
+def dot_precision(dtype):
+    """input_precision of tl.dot on two input tiles of `dtype`: exact fp32 for fp32 inputs, else bf16/fp16 MMAs
+    (exact products, fp32 accumulation; "tf32" only matters for fp32 operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def product_precision(name, dtype):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from nha_oracle import make_inputs, nha_oracle, padding_mask
-from nha_retrofit.ops.nha.gates import gate_log_alpha
 from nha_retrofit.ops import NHAState, nha_chunked, nha_recurrent_step, nha_reference
+from nha_retrofit.ops.nha.gates import gate_log_alpha
 
 OPERATOR_ARGS = ("q", "k", "v", "q_rope", "k_rope", "log_alpha")
 
@@ -42,7 +42,7 @@ def assert_close(actual, expected, tol):
 @pytest.mark.parametrize("window", [0, 1, 3, 64, "T-1", "T", None])
 def test_all_forms_match_oracle_over_windows(length, window):
     window = {"T-1": max(length - 1, 0), "T": length}.get(window, window)
-    inputs = make_inputs(2, length, 4, 2, 8, 7)
+    inputs = make_inputs(2, length, 4, 2, 8, 7, seed=1)
     mask = padding_mask(2, length, "left")
     expected = nha_oracle(**inputs, window=window, attention_mask=mask)
     assert_close(nha_reference(**inputs, window=window, attention_mask=mask), expected, 1e-10)
@@ -54,7 +54,7 @@ def test_all_forms_match_oracle_over_windows(length, window):
 @pytest.mark.parametrize("slots", [1, 7, 64])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_all_forms_match_oracle_over_gqa_slots_padding(heads, slots, side):
-    inputs = make_inputs(3, 37, heads[0], heads[1], 6, slots)
+    inputs = make_inputs(3, 37, heads[0], heads[1], 6, slots, seed=2)
     mask = padding_mask(3, 37, side, seed=slots)
     expected = nha_oracle(**inputs, window=5, attention_mask=mask)
     assert_close(nha_reference(**inputs, window=5, attention_mask=mask), expected, 1e-10)
@@ -63,7 +63,7 @@ def test_all_forms_match_oracle_over_gqa_slots_padding(heads, slots, side):
 
 
 def test_value_dim_may_differ_from_key_dim():
-    inputs = make_inputs(2, 20, 4, 2, 8, 5, value_dim=3)
+    inputs = make_inputs(2, 20, 4, 2, 8, 5, value_dim=3, seed=3)
     expected = nha_oracle(**inputs, window=4)
     assert_close(run_chunked(inputs, 4, chunk_size=8), expected, 1e-10)
     assert_close(run_recurrent(inputs, 4), expected, 1e-10)
@@ -71,7 +71,7 @@ def test_value_dim_may_differ_from_key_dim():
 
 @pytest.mark.parametrize("window", [None, 111, 500])
 def test_full_window_is_causal_softmax_attention(window):
-    inputs = make_inputs(2, 111, 9, 3, 16, 8)
+    inputs = make_inputs(2, 111, 9, 3, 16, 8, seed=4)
     mask = padding_mask(2, 111, "left")
     keys = inputs["k_rope"].repeat_interleave(3, 2).transpose(1, 2)
     values = inputs["v"].repeat_interleave(3, 2).transpose(1, 2)
@@ -85,7 +85,7 @@ def test_full_window_is_causal_softmax_attention(window):
 
 def test_window_zero_is_a_gated_slot_rnn():
     """w = 0: each token is absorbed before it is read; the output is a softmax read of the slots only."""
-    inputs = make_inputs(1, 50, 2, 1, 8, 6)
+    inputs = make_inputs(1, 50, 2, 1, 8, 6, seed=5)
     bias = inputs["slot_bias"]
     slot_k = torch.zeros(6, 8, dtype=torch.float64)
     slot_v = torch.zeros(6, 8, dtype=torch.float64)
@@ -105,7 +105,7 @@ def test_window_zero_is_a_gated_slot_rnn():
 @pytest.mark.parametrize("split", [1, 17, 33])
 def test_chunked_continues_from_carried_state(window, split):
     """Prefill a prefix, keep the state, feed the rest: identical to one pass (and to the recurrent form)."""
-    inputs = make_inputs(2, 45, 4, 2, 8, 5)
+    inputs = make_inputs(2, 45, 4, 2, 8, 5, seed=6)
     mask = padding_mask(2, 45, "left")
     whole = run_chunked(inputs, window, mask, chunk_size=8)
     first = {n: inputs[n][:, :split] for n in OPERATOR_ARGS}
@@ -129,7 +129,7 @@ def test_decode_steps_update_the_state_in_place(window, prompt):
     tensors (nothing reallocated after the first step gives the window its room), the outputs equal the oracle,
     and prefill continues from the ring (oldest entry mid-buffer) as from one pass."""
     length, extra = prompt + 3 * max(window, 1) + 4, 11
-    inputs = make_inputs(3, length + extra, 9, 3, 8, 7)
+    inputs = make_inputs(3, length + extra, 9, 3, 8, 7, seed=7)
     mask = padding_mask(3, length + extra, "left", seed=prompt)
     expected = nha_oracle(**inputs, window=window, attention_mask=mask)
     common = dict(window=window, scale=inputs["scale"], slot_bias=inputs["slot_bias"])
@@ -150,7 +150,7 @@ def test_decode_steps_update_the_state_in_place(window, prompt):
 def test_state_window_ring_reads_oldest_first():
     """`for_decoding` gives a short window its room as padding in front; `chronological` undoes a rotation; a
     window longer than the layer's is refused."""
-    inputs = make_inputs(2, 6, 4, 2, 8, 5)
+    inputs = make_inputs(2, 6, 4, 2, 8, 5, seed=8)
     _, state = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, window=8, scale=inputs["scale"],
                            output_final_state=True)
     roomy = state.for_decoding(8)
@@ -171,7 +171,7 @@ def test_prefill_state_holds_only_its_own_memory(batch, window):
     """A prefill's final state is a copy of its window, not a view of the prompt's keys, values and gates: a cached
     view would keep the whole prompt alive (in a batch of one every window slice is contiguous, so `contiguous()`
     alone does not copy it)."""
-    inputs = make_inputs(batch, 111, 4, 2, 8, 5)
+    inputs = make_inputs(batch, 111, 4, 2, 8, 5, seed=9)
     _, state = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, window=window, scale=inputs["scale"],
                            output_final_state=True)
     for field in fields(state):
@@ -181,7 +181,7 @@ def test_prefill_state_holds_only_its_own_memory(batch, window):
 
 def test_batch_slices_states_concatenate_into_the_batch_state():
     """`NHAState.cat` of per-slice prefills equals the whole batch's state (how the kernels run huge batches)."""
-    inputs = make_inputs(3, 30, 4, 2, 8, 5)
+    inputs = make_inputs(3, 30, 4, 2, 8, 5, seed=10)
     mask = padding_mask(3, 30, "left")
     common = dict(window=4, scale=inputs["scale"], slot_bias=inputs["slot_bias"], output_final_state=True)
     _, whole = nha_chunked(**{n: inputs[n] for n in OPERATOR_ARGS}, attention_mask=mask, **common)
@@ -194,7 +194,7 @@ def test_batch_slices_states_concatenate_into_the_batch_state():
 
 def test_recurrent_step_takes_gate_logits_and_normalizer():
     """The model's decode route: gate logits f and tau give the step of log(alpha) = logsigmoid(f) / tau."""
-    inputs = make_inputs(2, 12, 4, 2, 8, 5)
+    inputs = make_inputs(2, 12, 4, 2, 8, 5, seed=11)
     logits = 4 * torch.randn(2, 12, 2, 5, dtype=torch.float64)
     common = dict(window=3, scale=inputs["scale"], slot_bias=inputs["slot_bias"])
     args = {n: inputs[n][:, :11] for n in OPERATOR_ARGS}
@@ -209,7 +209,7 @@ def test_recurrent_step_takes_gate_logits_and_normalizer():
 
 
 def test_left_padded_batch_equals_each_sequence_alone():
-    inputs = make_inputs(3, 30, 4, 2, 8, 5)
+    inputs = make_inputs(3, 30, 4, 2, 8, 5, seed=12)
     mask = padding_mask(3, 30, "left")
     batched = run_chunked(inputs, 4, mask, chunk_size=8)
     for b in range(3):
@@ -221,7 +221,7 @@ def test_left_padded_batch_equals_each_sequence_alone():
 
 
 def test_float32_chunked_is_close_to_float64_reference():
-    inputs = make_inputs(2, 200, 9, 3, 64, 64, dtype=torch.float32)
+    inputs = make_inputs(2, 200, 9, 3, 64, 64, dtype=torch.float32, seed=13)
     expected = nha_reference(**{n: (x.double() if torch.is_tensor(x) else x) for n, x in inputs.items()}, window=64)
     out = run_chunked(inputs, 64)
     rel = ((out.double() - expected).norm() / expected.norm()).item()
@@ -233,7 +233,7 @@ def test_float32_chunked_is_close_to_float64_reference():
 def test_chunked_over_many_chunk_groups_with_carried_state(chunk_size, length, window):
     """The slot-state scan runs over groups of 16 chunks: many groups, a ragged last group, a carried state and the
     gradients must all match the float64 reference."""
-    inputs = make_inputs(2, length, 4, 2, 8, 7)
+    inputs = make_inputs(2, length, 4, 2, 8, 7, seed=14)
     mask = padding_mask(2, length, "left")
     names = OPERATOR_ARGS + ("slot_bias",)
     split = length // 3
@@ -261,7 +261,7 @@ def test_chunked_over_many_chunk_groups_with_carried_state(chunk_size, length, w
 def test_float32_chunked_stays_exact_under_strong_decay(chunk_size):
     """Gates that nearly reset the slots every token (log alpha ~ -6, hundreds over a chunk) must not overflow the
     chunked form's intra-chunk decays, forward or backward."""
-    inputs = make_inputs(2, 150, 4, 2, 16, 16, dtype=torch.float32, decay=8.0)
+    inputs = make_inputs(2, 150, 4, 2, 16, 16, dtype=torch.float32, decay=8.0, seed=15)
     assert (inputs["log_alpha"][0, :-64].sum(0) < -150).all()
     names = OPERATOR_ARGS + ("slot_bias",)
     dO = torch.randn(2, 150, 4, 16)
@@ -282,7 +282,7 @@ def test_float32_chunked_stays_exact_under_strong_decay(chunk_size):
 
 @pytest.mark.parametrize("window", [0, 2, 5, None])
 def test_gradients_match_float64_gradcheck(window):
-    inputs = make_inputs(2, 7, 4, 2, 3, 3)
+    inputs = make_inputs(2, 7, 4, 2, 3, 3, seed=16)
     mask = padding_mask(2, 7, "right")
     names = OPERATOR_ARGS + ("slot_bias",)
     tensors = tuple(inputs[n].clone().requires_grad_() for n in names)

@@ -1,6 +1,11 @@
-"""Counts read from a compiled kernel's text (`nha_retrofit.kernels.asm_stats`), on hand-written excerpts (CPU)."""
+"""Counts read from a compiled kernel's text (`tools/asm_stats.py`), on hand-written excerpts (CPU)."""
 
-from nha_retrofit.kernels.asm_stats import instruction_mix, product_kinds
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+
+from asm_stats import instruction_mix, product_kinds  # noqa: E402
 
 TTGIR = """#blocked = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [4, 8], warpsPerCTA = [8, 1], order = [1, 0]}>
 #mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 8], instrShape = [16, 8]}>

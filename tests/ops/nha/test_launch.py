@@ -1,6 +1,8 @@
-"""`fast_launch`'s cache on any machine with Triton (no GPU: a stand-in kernel and compiled kernel record the calls):
-which launches go through Triton's own path, and what a kept kernel's launcher receives. The GPU side (the same bits
-as Triton's path, no call into it on a warm step) is tests/kernels/test_fast_launch.py."""
+"""`launch.launch`, the kernels' fast launch path. On any machine with Triton (a stand-in kernel and compiled kernel
+record the calls): which launches go through Triton's own path, and what a kept kernel's launcher receives. On a GPU:
+the same kernels on the same inputs give the same bits as Triton's own path, a warm step makes no call into it at
+all, inputs whose addresses break the 16-byte alignment Triton specializes on get a kernel of their own, and decode
+steps (whose ints change every step) reuse their kernels."""
 
 import pytest
 import torch
@@ -10,7 +12,13 @@ pytest.importorskip("triton")
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from nha_retrofit.kernels import fast_launch  # noqa: E402
+from nha_oracle import make_inputs, padding_mask  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from nha_retrofit.ops.nha import launch as fast_launch  # noqa: E402
+from nha_retrofit.ops.nha.chunk import nha_attention_triton, nha_chunked_triton  # noqa: E402
+from nha_retrofit.ops.nha.fused_recurrent import nha_recurrent_step_triton  # noqa: E402
+from operator_cases import NAMES  # noqa: E402
 
 
 class Compiled(CompiledKernel):
@@ -109,31 +117,30 @@ def test_a_new_signature_goes_through_triton(cache, change):
     assert len(kernel.plain) == 2 and len(cache) == 2
 
 
-def test_triton_path_when_off_hooked_or_a_default_is_used(cache, monkeypatch):
+def test_triton_path_when_hooked_or_a_default_is_used(cache, monkeypatch):
     kernel = Kernel()
     x = torch.randn(64)
     for _ in range(2):
-        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16, fast=False)
-    assert len(kernel.plain) == 2 and not cache
-    for _ in range(2):
         fast_launch.launch(kernel, (1,), x, 7, 0.5)  # BLOCK left to its default: never kept
-    assert len(kernel.plain) == 4 and not cache
+    assert len(kernel.plain) == 2 and not cache
     hook = fast_launch.triton.knobs.runtime.launch_enter_hook
     monkeypatch.setattr(hook, "calls", [print])
     for _ in range(2):
         fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16)
-    assert len(kernel.plain) == 6 and not cache
+    assert len(kernel.plain) == 4 and not cache
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_launch_over_the_shared_memory_takes_fewer_stages_once(cache, fast):
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "triton_path"])
+def test_a_launch_over_the_shared_memory_takes_fewer_stages_once(cache, kept, monkeypatch):
+    if not kept:  # a Triton without compiled-kernel objects: every launch through its own path
+        monkeypatch.setattr(fast_launch, "CompiledKernel", None)
     kernel = SmallSharedMemory(fits=1)
     x = torch.randn(64)
     for _ in range(3):
-        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16, num_stages=3, fast=fast)
+        fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=16, num_stages=3)
     assert kernel.overflows == [3, 2]  # then remembered: no later launch tries 3 or 2 stages again
-    assert [call[2]["num_stages"] for call in kernel.plain] == ([1] if fast else [1, 1, 1])
-    fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=32, num_stages=2, fast=fast)  # other constexprs: tried anew
+    assert [call[2]["num_stages"] for call in kernel.plain] == ([1] if kept else [1, 1, 1])
+    fast_launch.launch(kernel, (1,), x, 7, 0.5, BLOCK=32, num_stages=2)  # other constexprs: tried anew
     assert kernel.overflows == [3, 2, 2] and kernel.plain[-1][2] == dict(BLOCK=32, num_stages=1)
 
 
@@ -190,9 +197,103 @@ def test_the_key_is_at_least_as_fine_as_tritons_specialization(cache):
     assert len({key(value) for value in ints}) == len({triton_key(value) for value in ints}) == 7  # and no finer
 
 
-
 def test_host_cdiv_and_next_power_of_2_equal_tritons():
     for n in range(1, 3000):
         assert fast_launch.next_power_of_2(n) == fast_launch.triton.next_power_of_2(n), n
         for d in (1, 3, 16, 64):
             assert fast_launch.cdiv(n, d) == fast_launch.triton.cdiv(n, d), (n, d)
+
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
+
+
+def inputs(offset=0):
+    """bf16 leaves on the GPU (T = 300, 8/2 heads, D = 64, M = 32), each placed `offset` elements into its buffer."""
+    x = make_inputs(2, 300, 8, 2, 64, 32, dtype=torch.float32, seed=offset)
+    leaves = {}
+    for name in NAMES:
+        buffer = torch.empty(x[name].numel() + offset, dtype=torch.bfloat16, device="cuda")
+        leaf = buffer[offset:].view(x[name].shape)
+        leaf.copy_(x[name])
+        leaves[name] = leaf.requires_grad_()
+    return leaves, x["scale"]
+
+
+def step(leaves, scale, mask, do):
+    """Output and gradients of one forward + backward (window 40, left padding)."""
+    tensors = [leaves[name] for name in NAMES]
+    o = nha_attention_triton(*tensors[:6], 40, scale, mask, tensors[6])
+    return [o.detach(), *torch.autograd.grad(o, tensors, do)]
+
+
+def triton_launches(monkeypatch):
+    """A list that records every call into Triton's own launch path from here on."""
+    calls = []
+    run = JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    return calls
+
+
+def triton_path(monkeypatch):
+    """Every launch from here through Triton's own path (as on a Triton without compiled-kernel objects)."""
+    monkeypatch.setattr(fast_launch, "CompiledKernel", None)
+
+
+@gpu_only
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_fast_launch_gives_triton_launch_bits_and_skips_its_path_when_warm(offset, monkeypatch):
+    leaves, scale = inputs(offset)
+    if offset:
+        assert leaves["q"].data_ptr() % 16 != 0
+        step(*inputs(0), padding_mask(2, 300, "left").cuda(), torch.randn(2, 300, 8, 64, device="cuda").bfloat16())
+    mask = padding_mask(2, 300, "left").cuda()
+    do = torch.randn(2, 300, 8, 64, device="cuda").bfloat16()
+    with monkeypatch.context() as plain:
+        triton_path(plain)
+        want = step(leaves, scale, mask, do)
+    step(leaves, scale, mask, do)  # first sight of these signatures: through Triton, kept
+    calls = triton_launches(monkeypatch)
+    got = step(leaves, scale, mask, do)
+    assert not calls, f"launches that went through Triton's path on a warm step: {calls}"
+    for name, a, b in zip(("o",) + NAMES, got, want):
+        assert torch.equal(a, b), f"{name} differs from Triton's launch path (offset {offset})"
+    assert fast_launch._compiled
+
+
+def decode(leaves, scale, mask, steps, start, on_step=lambda step: None):
+    """`steps` decode steps after a prefill of `start` tokens (window 40), each given a new mask one column longer
+    (as generation's cache builds it: its stride grows): the outputs, and the final state."""
+    args = [leaves[name].detach() for name in NAMES[:6]]
+    with torch.no_grad():
+        _, state = nha_chunked_triton(*[a[:, :start] for a in args], 40, scale, mask[:, :start], leaves["slot_bias"],
+                                      output_final_state=True)
+        outs = []
+        for t in range(start, start + steps):
+            on_step(t - start)
+            o, state = nha_recurrent_step_triton(*[a[:, t : t + 1] for a in args], 40, scale, state,
+                                                 mask[:, : t + 1].contiguous(), leaves["slot_bias"])
+            outs.append(o)
+    return outs, [x.clone() for x in state.tensors()]
+
+
+@gpu_only
+def test_decode_steps_reuse_their_kernels_and_give_triton_launch_bits(monkeypatch):
+    """The mask's stride (an int argument) and its last column's address change every step; their classes (not 1,
+    divisible by 16 or not; the address mod 16) repeat, so after 20 steps every step finds its kernel kept."""
+    leaves, scale = inputs()
+    mask = padding_mask(2, 300, "left").cuda()
+    with monkeypatch.context() as plain:
+        triton_path(plain)
+        want = decode(leaves, scale, mask, 40, 200)
+    calls = triton_launches(monkeypatch)
+    got = decode(leaves, scale, mask, 40, 200, on_step=lambda step: calls.clear() if step == 20 else None)
+    assert not calls, f"decode launches through Triton's path after 20 steps: {calls}"
+    for step, (a, b) in enumerate(zip(got[0], want[0])):
+        assert torch.equal(a, b), f"decode output differs from Triton's launch path at step {step}"
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b), "the decode state differs from Triton's launch path"

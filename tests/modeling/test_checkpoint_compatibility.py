@@ -1,0 +1,31 @@
+"""A checkpoint converted by an earlier version of the package (tests/fixtures/nha_checkpoint_v0: a tiny Llama with
+windows 3 / full / 0, its remote code in the files of that version, and the logits it gave then) loads through the
+package's classes and gives the same logits, and its remote code files are what `push` would send."""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import nha_retrofit.modeling  # noqa: F401  (registers the NHA classes with the Auto classes)
+from nha_retrofit.modeling.modeling_nha import NHALlamaForCausalLM
+from nha_retrofit.modeling.remote_code import checkpoint_remote_code
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "nha_checkpoint_v0"
+EXPECTED = FIXTURE.with_name("nha_checkpoint_v0_expected.safetensors")
+
+
+def test_an_earlier_checkpoint_gives_its_logits_through_the_package():
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE).eval()
+    assert type(model) is NHALlamaForCausalLM
+    expected = load_file(EXPECTED)
+    with torch.no_grad():
+        logits = model(input_ids=expected["input_ids"], attention_mask=expected["attention_mask"]).logits
+    assert torch.equal(logits, expected["logits"])
+
+
+def test_an_earlier_checkpoints_remote_code_is_found_by_its_imports():
+    assert checkpoint_remote_code(FIXTURE) == sorted(
+        ["configuration_nha.py", "modeling_nha.py", "nha_cache.py", "nha_chunked.py", "nha_gates.py",
+         "nha_recurrent.py", "nha_state.py"])
