@@ -16,6 +16,12 @@ from real_tokenizers import FAMILY_TOKENIZERS
 from tiny_models import FAMILY_CONFIGS, tiny_family_model, tiny_llama
 
 
+@pytest.fixture(autouse=True)
+def fixed_seed():
+    """Every test starts from the same global random state: a test's random draws are the same on every run."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def smollm2_nha(tmp_path_factory):
     """SmolLM2-135M converted with the default plan (4 full layers, w=64, M=64): (source folder, NHA folder)."""

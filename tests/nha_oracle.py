@@ -11,7 +11,7 @@ def make_inputs(batch, length, q_heads, kv_heads, head_dim, slots, *, dtype=torc
                 decay=1.0):
     """Fresh random NHA inputs (never zeros); gates spread over strong and weak decay. `decay` scales log(alpha):
     8 gives a mean of about -6 per token (hundreds over a 64-token chunk), as gates trained to reset slots do."""
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**31, ())))
     value_dim = value_dim or head_dim
 
     def rand(*shape):
