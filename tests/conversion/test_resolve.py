@@ -1,3 +1,4 @@
+import hashlib
 import importlib.util
 import socket
 import time
@@ -29,15 +30,22 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
-def _fake_hf_cache(hub: Path, repo_id: str, files=("config.json",)) -> Path:
+def _fake_hf_cache(hub: Path, repo_id: str, files=("config.json", "model.safetensors"), branch="main") -> Path:
     repo = hub / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / hashlib.sha1(branch.encode()).hexdigest()
     snapshot.mkdir(parents=True)
     for name in files:
         (snapshot / name).write_text("{}")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(snapshot.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / branch).write_text(snapshot.name)
     return snapshot
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
 def test_local_folder(tmp_path):
@@ -57,7 +65,7 @@ def test_file_is_not_a_folder(tmp_path):
         resolve_model(str(tmp_path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("name", ["not-a-model", "a/b/c", "./missing-folder", "org//name"])
+@pytest.mark.parametrize("name", ["not-a-model", "a/b/c", "./missing-folder", "org//name", "org/name-", "org/na..me"])
 def test_unknown_name_lists_accepted_forms(name, no_network):
     with pytest.raises(NHARetrofitError) as err:
         resolve_model(name)
@@ -75,20 +83,42 @@ def test_hub_id_from_local_cache(tmp_path, monkeypatch, no_network, variable):
     assert resolve_model("some-org/Some-Model-1B") == snapshot
 
 
-def test_hub_id_absent(tmp_path, monkeypatch, no_network):
+def test_hub_id_revision_and_config_only_from_local_cache(tmp_path, monkeypatch, no_network):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    main = _fake_hf_cache(tmp_path, "org/name", files=("config.json",))
+    v2 = _fake_hf_cache(tmp_path, "org/name", branch="v2")
+    assert resolve_model("org/name", config_only=True) == main  # `plan` needs only the config
+    assert resolve_model("org/name", revision="v2") == v2
+    assert resolve_model("org/name", revision=v2.name) == v2
+
+
+def test_hub_id_absent_offline(tmp_path, monkeypatch, no_network, offline):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(NHARetrofitError) as err:
         resolve_model("meta-llama/Meta-Llama-3-8B")
     message = str(err.value)
-    assert "'meta-llama/Meta-Llama-3-8B' is not in the local Hugging Face cache" in message
-    assert str(tmp_path) in message and "hf download meta-llama/Meta-Llama-3-8B" in message
+    assert "'meta-llama/Meta-Llama-3-8B' is not in the local Hugging Face cache, or only in part" in message
+    assert str(tmp_path) in message and "HF_HUB_OFFLINE is set: unset it to download the model" in message
 
 
-def test_hub_snapshot_without_config(tmp_path, monkeypatch, no_network):
+@pytest.mark.parametrize("files", [("README.md",), ("config.json", "model.safetensors.index.json"),
+                                   ("config.json", "tokenizer.json")])
+def test_incomplete_cached_snapshot_is_not_used(tmp_path, monkeypatch, no_network, offline, files):
+    """No config, shards missing from the index, no weights: the snapshot would be completed by a download."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    _fake_hf_cache(tmp_path, "org/name", files=("README.md",))
-    with pytest.raises(NHARetrofitError, match="no config.json"):
+    snapshot = _fake_hf_cache(tmp_path, "org/name", files=files)
+    if "model.safetensors.index.json" in files:
+        (snapshot / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-1.safetensors"}}')
+    with pytest.raises(NHARetrofitError, match="not in the local Hugging Face cache, or only in part .* HF_HUB_OFF"):
         resolve_model("org/name")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "."])
+def test_revision_needs_a_hub_id(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NHARetrofitError, match=f"a revision \\('v1'\\) names a version of a Hub id, but '{name}'"):
+        resolve_model(name, revision="v1")
 
 
 def test_embedded_without_package(tmp_path, monkeypatch):
