@@ -36,8 +36,6 @@ def export_merged(run, folder: Path, summary: dict) -> Path | None:
             model = model.merge_and_unload()
         model = model.to("cpu")
         dtype = run.source_dtype
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
         if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
             model = model.to(dtype)
         model.set_windows(list(model.config.nha_windows))

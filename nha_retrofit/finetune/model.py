@@ -31,7 +31,7 @@ def resolve_source(spec: ModelSection) -> ModelSource:
     from ..plan import build_plan
     from .recipe import ConvertSection
 
-    folder = resolve_model(spec.path)
+    folder = resolve_model(spec.path, revision=spec.revision)
     try:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
     except (OSError, ValueError) as error:
@@ -76,20 +76,44 @@ def model_config(source: ModelSource):
     return _model_class_and_config(source)[1]
 
 
-def load_model(source: ModelSource):
-    """The NHA model in fp32 on the CPU (accelerate moves it)."""
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
+    """The NHA model in `dtype` on the CPU (accelerate moves it)."""
     from ..conversion.converter import build_nha_model
     from ..eval.compare import load_nha_checkpoint
 
     if source.converted:
-        return load_nha_checkpoint(source.folder, dtype=torch.float32)
-    return build_nha_model(source.folder, source.plan).float()
+        return load_nha_checkpoint(source.folder, dtype=dtype)
+    model = build_nha_model(source.folder, source.plan)
+    for param in model.parameters():  # buffers (RoPE frequencies) stay as transformers made them, in fp32
+        param.data = param.data.to(dtype)
+    return model
+
+
+def frozen_matrices(model) -> list:
+    """Frozen weights that autocast casts at every use (matrices and expert tensors; not embeddings)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return [p for p in model.parameters() if not p.requires_grad and p.ndim >= 2 and id(p) not in embeddings]
+
+
+def fp32_except_frozen_matrices(model):
+    """fp32 for what trains (the optimizer's master copy) and for what autocast does not cast at use (norms, biases,
+    embeddings: the residual stream stays fp32); frozen matrices keep the dtype they were loaded in, the compute dtype
+    when the checkpoint holds them in it. Autocast would cast them to it at every use anyway: the numbers are those of
+    all-fp32 weights, at half the memory and without the casts."""
+    low = {id(p) for p in frozen_matrices(model)}
+    for param in model.parameters():
+        if id(param) not in low and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return model
 
 
 def meta_model(source: ModelSource):
-    """A weightless copy (meta device) for --dry-run and export skeletons: no gigabytes read."""
+    """A weightless copy (parameters on the meta device, buffers such as RoPE frequencies real) for --dry-run and
+    export skeletons: no gigabytes read."""
+    from accelerate import init_empty_weights
+
     model_class, config = _model_class_and_config(source)
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):
         return model_class(config)
 
 

@@ -36,7 +36,8 @@ class ConvertSection:
 
 @dataclass
 class ModelSection:
-    path: str = ""  # a converted NHA checkpoint, or an original model (folder, cached Hub id, 'smollm2-135m')
+    path: str = ""  # a converted NHA checkpoint, or an original model (folder, Hub id, 'smollm2-135m')
+    revision: str | None = None  # branch, tag or commit of a Hub id path (default: main); token: HF_TOKEN or login
     convert: ConvertSection | None = None  # plan for an original model (defaults: the paper's 4 full, w=64, M=64)
 
 

@@ -24,12 +24,15 @@ import torch
 from ..errors import NHARetrofitError
 from . import stages
 from .data import load_blocks
-from .model import count_parameters, load_model, meta_model, model_config, resolve_source, select_trainable
+from .memory import GIB, project_memory
+from .model import (count_parameters, fp32_except_frozen_matrices, frozen_matrices, load_model, meta_model,
+                    model_config, resolve_source, select_trainable)
 from .recipe import Recipe, load_recipe
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 
 
 class RunState:
@@ -95,6 +98,43 @@ def _precision(value: str) -> str:
     return {"fp32": "no"}.get(value, value)
 
 
+def launch_sharding() -> str:
+    """How `accelerate launch` shards this run, from its environment: "fsdp", "zero3" or "none" (one process, DDP;
+    ZeRO stages 1-2 keep whole weights too)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "zero3" if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3") == "3" else "none"
+    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" else "none"
+
+
+def _sharding(acc) -> str:
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.FSDP:
+        return "fsdp"
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        return "zero3" if acc.state.deepspeed_plugin.zero_stage == 3 else "none"
+    return "none"
+
+
+def peak_memory_gib() -> float | None:
+    """The most memory PyTorch has allocated on this process's GPU so far (None on CPU)."""
+    return round(torch.cuda.max_memory_allocated() / GIB, 2) if torch.cuda.is_available() else None
+
+
+def measured_peak_gib(folder: Path) -> float | None:
+    """The highest peak of GPU memory a run in `folder` logged, if any."""
+    path = folder / METRICS
+    if not path.is_file():
+        return None
+    peaks = [json.loads(line).get("peak_gib") for line in path.read_text().splitlines() if line]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) if peaks else None
+
+
+class NonFinite(Exception):
+    """A loss or gradient norm that is not finite on some process (the run stops, saving the last good state)."""
+
+
 class Run:
     """One finetuning run, from a validated recipe."""
 
@@ -108,6 +148,8 @@ class Run:
         r = self.recipe
         self.source = resolve_source(r.model)
         self.config = model_config(self.source)
+        dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        self.source_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # the checkpoint's
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit is not None and r.data.seq_len > limit:
             raise NHARetrofitError(
@@ -131,6 +173,15 @@ class Run:
             "total_tokens": self.total_steps * per_step,
         }
 
+    def _check_sharding(self, sharding: str) -> None:
+        if sharding == "zero3" and not self.source.converted:
+            path = self.recipe.model.path
+            raise NHARetrofitError(
+                f"recipe key model.path: under DeepSpeed ZeRO-3 the weights are partitioned as they load, so {path} "
+                f"cannot be converted on the fly; convert it first (nha-retrofit convert {path} -o FOLDER) and set "
+                f"model.path to FOLDER and model.convert to null"
+            )
+
     def _tokenizer(self):
         from transformers import AutoTokenizer
 
@@ -152,12 +203,30 @@ class Run:
                 )
         return None
 
+    # ------------------------------------------------------------------------------------------------ memory
+    def project_memory(self, model, processes: int, sharding: str) -> dict:
+        """Projected GiB per process (`memory.py`) for `model` (a skeleton or the real model, trainable set applied)."""
+        trainable, total = count_parameters(model)
+        teacher = 0
+        if sharding != "zero3":  # the originals of trained projections, kept for the teacher
+            teacher = sum(p.numel() for n, p in model.named_parameters()
+                          if p.requires_grad and not stages.is_gate_parameter(n) and "lora_" not in n)
+        compute = {"fp32": torch.float32, "fp16": torch.float16}.get(self.recipe.train.precision, torch.bfloat16)
+        lossless = self.source_dtype == compute  # `auto` projects a GPU's bf16
+        low = sum(p.numel() for p in frozen_matrices(model)) if lossless else 0
+        return project_memory(self.config, self.recipe, trainable, total, processes=processes, sharding=sharding,
+                              teacher_values=teacher, low_precision_values=low, teacher_bytes=2 if lossless else 4)
+
     # ------------------------------------------------------------------------------------------------ dry run
     def dry_run(self) -> dict:
         from accelerate import PartialState
 
         state = PartialState()
-        plan = self.plan(state.num_processes)
+        # under `accelerate launch` on CPUs the state may not join the launched processes: count those
+        processes = max(state.num_processes, int(os.environ.get("WORLD_SIZE", "1")))
+        plan = self.plan(processes)
+        plan["sharding"] = launch_sharding()
+        self._check_sharding(plan["sharding"])
         tokenizer = self._tokenizer()
         data = load_blocks(self.recipe.data, tokenizer)
         skeleton = select_trainable(meta_model(self.source), self.recipe.train)
@@ -165,11 +234,17 @@ class Run:
         plan.update(trainable_parameters=trainable, total_parameters=total, data=data.describe())
         if data.train_tokens is not None:
             plan["epochs"] = round(plan["total_tokens"] / data.train_tokens, 3)
+        plan["memory_per_gpu_gib"] = self.project_memory(skeleton, processes, plan["sharding"])
         self._check_output()
+        measured = measured_peak_gib(self.out)
+        if measured is not None:
+            plan["measured_peak_gib"] = measured
         return plan
 
     # ------------------------------------------------------------------------------------------------ training
-    def train(self):
+    def setup(self) -> RunState:
+        """Everything before the first step: accelerator, data, model and trainable set, optimizer and schedule, the
+        teacher's originals, the checkpoint hooks; resumes from the last checkpoint with `resume`."""
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
@@ -188,11 +263,15 @@ class Run:
             from accelerate.state import AcceleratorState
 
             AcceleratorState._reset_state()  # keeps PartialState (the process group)
-        acc = Accelerator(mixed_precision=_precision(r.train.precision), kwargs_handlers=handlers, log_with=log_with,
+        precision = _precision(r.train.precision)
+        acc = Accelerator(mixed_precision=precision, kwargs_handlers=handlers, log_with=log_with,
                           gradient_accumulation_steps=r.train.grad_accum,
                           project_dir=str(self.out))
         self.acc = acc
+        self.sharding = _sharding(acc)
         plan = self.plan(acc.num_processes)
+        plan["sharding"] = self.sharding
+        self._check_sharding(self.sharding)
         last = self._check_output()
         if acc.is_main_process:
             self.log(f"plan: {json.dumps(plan)}")
@@ -201,14 +280,20 @@ class Run:
         data = load_blocks(r.data, tokenizer)
         if acc.is_main_process:
             self.log(f"data: {data.describe()}")
-        model = load_model(self.source)
-        self.source_dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
+        compute_dtype = _COMPUTE_DTYPES[precision]
+        # frozen matrices stay in the compute dtype when the checkpoint holds them in it (nothing lost), else fp32
+        model = load_model(self.source, compute_dtype if self.source_dtype == compute_dtype else torch.float32)
         if r.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = select_trainable(model, r.train)
+        if self.sharding != "zero3":  # DeepSpeed keeps its own fp32 master copy of the partitioned weights
+            model = fp32_except_frozen_matrices(model)
         trainable, total = count_parameters(model)
+        plan["memory_per_gpu_gib"] = self.project_memory(model, acc.num_processes, self.sharding)
         if acc.is_main_process:
             self.log(f"trainable parameters: {trainable:,} of {total:,} ({r.train.trainable})")
+            self.log(f"memory: projected {plan['memory_per_gpu_gib']['total']} GiB per process "
+                     f"({json.dumps(plan['memory_per_gpu_gib'])})")
         params = [p for p in model.parameters() if p.requires_grad]
         if r.train.optimizer == "adamw":
             optimizer = torch.optim.AdamW(params, lr=1.0, betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
@@ -224,11 +309,11 @@ class Run:
         unwrapped = acc.unwrap_model(model)
         from accelerate.utils import DistributedType
 
-        sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        # the teacher must stay the original: keep the original values of trained projections (before any resume)
+        # the teacher must stay the original: keep the original values of trained projections (before any resume).
+        # ZeRO-3 keeps each parameter's values in a partition of its own, which the teacher cannot swap.
         self.teacher_exact = True
-        if not sharded:
-            kept = stages.snapshot_teacher(unwrapped)
+        if acc.distributed_type != DistributedType.DEEPSPEED:
+            kept = stages.snapshot_teacher(unwrapped, None if precision == "no" else compute_dtype)
             if kept and acc.is_main_process:
                 self.log(f"teacher: original values of {kept:,} trained parameters kept beside them")
         elif any(p.requires_grad and not stages.is_gate_parameter(n) and "lora_" not in n
@@ -236,7 +321,7 @@ class Run:
             self.teacher_exact = False
             if r.stages.lm.tokens and r.stages.lm.distill_weight > 0:
                 raise NHARetrofitError(
-                    f"recipe key stages.lm.distill_weight: under FSDP / DeepSpeed the teacher (the original model) is "
+                    f"recipe key stages.lm.distill_weight: under DeepSpeed the teacher (the original model) is "
                     f"exact only with train.trainable: lora or gates, not {r.train.trainable}"
                 )
         run = RunState(data)
@@ -249,7 +334,8 @@ class Run:
                     del state[key]
 
         acc.register_save_state_pre_hook(keep_trainable)
-        self.model, self.unwrapped, self.optimizer, self.scheduler, self.run = model, unwrapped, optimizer, scheduler, run
+        self.model, self.unwrapped, self.optimizer, self.scheduler = model, unwrapped, optimizer, scheduler
+        self.run, self.data = run, data
 
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -262,8 +348,9 @@ class Run:
         acc.wait_for_everyone()
 
         if last is not None:
+            start = time.monotonic()
             # plain and DDP checkpoints hold only the trainable weights; FSDP / DeepSpeed write their own layouts
-            acc.load_state(str(last), **({} if sharded else {"strict": False}))
+            acc.load_state(str(last), **({} if self.sharding != "none" else {"strict": False}))
             saved = run.summary.get("plan", {})
             for key in ("tokens_per_step", "attention_transfer_steps"):
                 if key in saved and saved[key] != plan[key]:
@@ -273,17 +360,23 @@ class Run:
                     )
             run.summary["plan"] = plan
             self._truncate_metrics(run.step)
+            self._write_metrics({"step": run.step, "resume_s": round(time.monotonic() - start, 2)})
             if acc.is_main_process:
                 self.log(f"resumed from {last} (step {run.step}, {run.tokens:,} tokens)")
         else:
             run.summary = {"machine": machine_description(), "plan": plan, "trainable_parameters": trainable,
                            "total_parameters": total, "data": data.describe()}
-            run.summary["before"] = self._evaluate(data, heldout=r.eval.before, original=True)
-        if r.train.tensorboard:
-            acc.init_trackers("finetune")
-        self._loop(data, run)
-        if r.train.tensorboard:
-            acc.end_training()
+        return run
+
+    def train(self) -> RunState:
+        run = self.setup()
+        if not self.resume:
+            run.summary["before"] = self._evaluate(self.data, heldout=self.recipe.eval.before, original=True)
+        if self.recipe.train.tensorboard:
+            self.acc.init_trackers("finetune")
+        self._loop(self.data, run)
+        if self.recipe.train.tensorboard:
+            self.acc.end_training()
         return run
 
     def _truncate_metrics(self, step: int):
@@ -331,75 +424,97 @@ class Run:
         bad = torch.tensor([0.0 if all(math.isfinite(float(v)) for v in values) else 1.0], device=self.acc.device)
         return bool(self.acc.reduce(bad, reduction="sum").item() == 0)
 
+    def stage_at(self, step: int) -> str:
+        return "attention_transfer" if step < self.transfer_steps else "lm"
+
+    def micro_batches(self) -> list[torch.Tensor]:
+        """This process's blocks for each micro-step of the next optimizer step."""
+        world, rank, bs = self.acc.num_processes, self.acc.process_index, self.recipe.train.batch_size
+        return [self.data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(self.acc.device)
+                for _ in range(self.recipe.train.grad_accum)]
+
+    def optimizer_step(self, stage: str, batches: list[torch.Tensor]) -> dict:
+        """One optimizer step of `stage` over this process's micro-batches: forward, backward and clipping through
+        accelerate (accumulation, no_sync, loss scaling, DeepSpeed), the schedule's step. Returns the step's losses
+        averaged over micro-steps and processes, the learning rate and the gradient norm. Raises NonFinite."""
+        r, acc, lm = self.recipe, self.acc, self.recipe.stages.lm
+        self.model.train()
+        totals: dict = {}
+        transfer = stage == "attention_transfer"
+        grad_norm = lr = None
+        acc.step = 0  # accelerate's micro-step counter: sync on this step's last micro-step, whatever happened before
+        with stages.attention_transfer_mode(self.unwrapped) if transfer else contextlib.nullcontext() as modules:
+            for blocks in batches:
+                with acc.accumulate(self.model):
+                    with acc.autocast():
+                        if transfer:
+                            loss, metrics = stages.attention_transfer_loss(
+                                self.model, modules, blocks, through_outputs=self.sharding == "fsdp")
+                        else:
+                            loss, metrics = stages.lm_loss(
+                                self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
+                                distill_weight=lm.distill_weight, temperature=lm.temperature,
+                            )
+                    if not self._all_finite(loss.item()):
+                        raise NonFinite("loss")
+                    acc.backward(loss)
+                    metrics["loss"] = loss.item()
+                    for key, value in metrics.items():
+                        totals[key] = totals.get(key, 0.0) + value / len(batches)
+                    if acc.sync_gradients and r.train.max_grad_norm > 0:
+                        norm = acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                   r.train.max_grad_norm)
+                        grad_norm = float(norm) if norm is not None else None
+                        if grad_norm is not None and not self._all_finite(grad_norm):
+                            raise NonFinite("gradient norm")
+                    if acc.sync_gradients:
+                        lr = self.scheduler.get_last_lr()[0]
+                    self.optimizer.step()  # a no-op until the last micro-step
+                    self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        record = {k: acc.reduce(torch.tensor(v, device=acc.device), reduction="mean").item()
+                  for k, v in sorted(totals.items())}
+        record["lr"] = lr
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        return record
+
     def _loop(self, data, run: RunState):
         from tqdm.auto import tqdm
 
         r, acc = self.recipe, self.acc
-        world, rank, bs = acc.num_processes, acc.process_index, r.train.batch_size
         bar = tqdm(total=self.total_steps, initial=run.step, desc="finetune", unit="step",
                    disable=not acc.is_main_process)
         start = time.monotonic() - run.elapsed_s
         last_saved = run.step if run.step else None
-        lm = r.stages.lm
         while run.step < self.total_steps:
-            stage = "attention_transfer" if run.step < self.transfer_steps else "lm"
+            stage = self.stage_at(run.step)
             data_at_start = data.state_dict()
-            self.model.train()
-            totals: dict = {}
-            transfer = stage == "attention_transfer"
-            grad_norm = None
-            acc.step = 0  # accelerate's micro-step counter: sync on this step's last micro-step, whatever happened before
-            with stages.attention_transfer_mode(self.unwrapped) if transfer else contextlib.nullcontext() as modules:
-                for _ in range(r.train.grad_accum):  # accelerate's accumulation: no_sync, loss scaling, DeepSpeed
-                    blocks = data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(acc.device)
-                    with acc.accumulate(self.model):
-                        with acc.autocast():
-                            if transfer:
-                                loss, metrics = stages.attention_transfer_loss(self.model, modules, blocks)
-                            else:
-                                loss, metrics = stages.lm_loss(
-                                    self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
-                                    distill_weight=lm.distill_weight, temperature=lm.temperature,
-                                )
-                        if not self._all_finite(loss.item()):
-                            data.load_state_dict(data_at_start)
-                            self._stop_non_finite(run, stage, "loss", last_saved)
-                        acc.backward(loss)
-                        metrics["loss"] = loss.item()
-                        for key, value in metrics.items():
-                            totals[key] = totals.get(key, 0.0) + value / r.train.grad_accum
-                        if acc.sync_gradients and r.train.max_grad_norm > 0:
-                            norm = acc.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                                       r.train.max_grad_norm)
-                            grad_norm = float(norm) if norm is not None else None
-                            if grad_norm is not None and not self._all_finite(grad_norm):
-                                data.load_state_dict(data_at_start)
-                                self._stop_non_finite(run, stage, "gradient norm", last_saved)
-                        if acc.sync_gradients:
-                            lr = self.scheduler.get_last_lr()[0]
-                        self.optimizer.step()  # a no-op until the last micro-step
-                        self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                metrics = self.optimizer_step(stage, self.micro_batches())
+            except NonFinite as error:
+                data.load_state_dict(data_at_start)
+                self._stop_non_finite(run, stage, str(error), last_saved)
             run.step += 1
             run.tokens += self.tokens_per_step
             run.elapsed_s = time.monotonic() - start
-            reduced = {k: acc.reduce(torch.tensor(v, device=acc.device), reduction="mean").item()
-                       for k, v in sorted(totals.items())}
-            record = {"step": run.step, "stage": stage, **reduced, "lr": lr, "tokens": run.tokens,
+            record = {"step": run.step, "stage": stage, **metrics, "tokens": run.tokens,
                       "elapsed_s": round(run.elapsed_s, 3)}
-            if grad_norm is not None:
-                record["grad_norm"] = grad_norm
+            if torch.cuda.is_available():
+                record["peak_gib"] = peak_memory_gib()
             if run.step % r.train.log_every == 0 or run.step == self.total_steps:
                 self._write_metrics(record)
             bar.update(1)
-            bar.set_postfix(stage=stage[:8], loss=f"{reduced['loss']:.4f}")
+            bar.set_postfix(stage=stage[:8], loss=f"{record['loss']:.4f}")
             final = run.step == self.total_steps
             if r.train.eval_every and run.step % r.train.eval_every == 0 and not final:
                 self._write_metrics({"step": run.step, **self._evaluate(data, heldout=False)})
             if final:
                 run.summary["after"] = self._evaluate(data, heldout=True)
                 run.summary.update(steps=run.step, tokens=run.tokens, wall_time_s=round(run.elapsed_s, 1))
+                if torch.cuda.is_available():
+                    run.summary["peak_gib"] = peak_memory_gib()
                 self._write_metrics({"step": run.step, **run.summary["after"]})
             stop = r.train.stop_after_steps is not None and run.step >= r.train.stop_after_steps and not final
             if final or stop or (r.train.checkpoint_every and run.step % r.train.checkpoint_every == 0):
@@ -421,8 +536,10 @@ class Run:
         )
 
     def save_checkpoint(self, step: int) -> Path:
-        """accelerate.save_state into a temporary folder, renamed when complete; older ones removed after."""
+        """accelerate.save_state into a temporary folder, renamed when complete; older ones removed after. The
+        time it took goes to the metrics."""
         acc = self.acc
+        began = time.monotonic()
         final = self.checkpoints / f"step-{step:08d}"
         tmp = self.checkpoints / f".tmp-step-{step:08d}"
         previous = list_checkpoints(self.checkpoints)
@@ -451,7 +568,29 @@ class Run:
             for old in list_checkpoints(self.checkpoints)[: -self.recipe.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
+        self._write_metrics({"step": step, "checkpoint_s": round(time.monotonic() - began, 2)})
         return final
+
+    # ------------------------------------------------------------------------------------------------ after
+    def finish(self) -> dict:
+        """After training: the merged export (timed), the quality table and summary.json; returns the summary, or
+        where a run stopped early (train.stop_after_steps) resumes."""
+        summary = dict(self.run.summary)
+        if "after" not in summary:
+            return {"stopped_at_step": self.run.step, "checkpoints": str(self.checkpoints)}
+        if self.recipe.export.enabled:
+            from .export import export_merged
+
+            folder = Path(self.recipe.export.folder or self.out / "model")
+            summary["export"] = str(folder)
+            began = time.monotonic()
+            export_merged(self, folder, summary)
+            summary["export_s"] = round(time.monotonic() - began, 1)
+        if self.acc.is_main_process:
+            self.log(quality_table(summary))
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        self.acc.wait_for_everyone()
+        return summary
 
 
 def quality_table(summary: dict) -> str:
@@ -479,23 +618,9 @@ def finetune(recipe, overrides=(), *, resume=False, dry_run=False, overwrite=Fal
         recipe = load_recipe(recipe, list(overrides))
     run = Run(recipe, resume=resume, overwrite=overwrite, log=log)
     if dry_run:
-        plan = run.dry_run()
-        return plan
-    state = run.train()
-    summary = dict(state.summary)
-    if "after" not in summary:  # stopped early (train.stop_after_steps)
-        return {"stopped_at_step": state.step, "checkpoints": str(run.checkpoints)}
-    if recipe.export.enabled:
-        from .export import export_merged
-
-        folder = Path(recipe.export.folder or Path(recipe.train.output_dir) / "model")
-        summary["export"] = str(folder)
-        export_merged(run, folder, summary)
-    if run.acc.is_main_process:
-        log(quality_table(summary))
-        (Path(recipe.train.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    run.acc.wait_for_everyone()
-    return summary
+        return run.dry_run()
+    run.train()
+    return run.finish()
 
 
 with contextlib.suppress(Exception):  # quiet accelerate's "no distributed environment" info lines
