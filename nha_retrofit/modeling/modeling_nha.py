@@ -22,7 +22,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
 from ..ops.nha.dispatch import nha_operator
-from .nha_cache import NHACache
+from .decode_graph import DecodeGraph
+from .nha_cache import NHACache, NHAStaticCache, StaticFullLayer
 
 
 class NHAAttentionMixin:
@@ -42,6 +43,9 @@ class NHAAttentionMixin:
         # projections and stores the MSE between the two layer outputs in `transfer_loss`.
         self.attention_transfer = False
         self.transfer_loss = None
+        # False: the slots get no softmax mass (slot logits -inf), so the layer is exactly sliding-window attention
+        # over its window; the slot state is still kept. Set through the model's `slot_reads_disabled()`.
+        self.slot_reads = True
 
     def project_qkv(self, hidden_states):
         """Pre-RoPE q [B, T, HQ, D], k and v [B, T, H, D], exactly as the original layer computes them."""
@@ -60,6 +64,9 @@ class NHAAttentionMixin:
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         padding_mask = kwargs.pop("nha_padding_mask", None)
         if self.window is None:  # a full layer: the original attention, positional args across transformers 5.x
+            if cache is not None and hidden_states.shape[1] == 1 and isinstance(cache.layers[self.layer_idx],
+                                                                                StaticFullLayer):
+                return self._decode_on_static_cache(hidden_states, position_embeddings, cache.layers[self.layer_idx])
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
         batch, length = hidden_states.shape[:2]
@@ -67,9 +74,10 @@ class NHAAttentionMixin:
         cos, sin = position_embeddings
         q_rope, k_rope = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        slot_bias = self.slot_bias if self.slot_reads else torch.full_like(self.slot_bias, float("-inf"))
         out, state = nha_operator(
             q, k, v, q_rope, k_rope, self.gate_logits(hidden_states), self.gate_normalizer, self.window, self.scaling,
-            padding_mask, self.slot_bias, layer_cache.state if layer_cache is not None else None,
+            padding_mask, slot_bias, layer_cache.state if layer_cache is not None else None,
             layer_cache is not None,
         )
         if layer_cache is not None:
@@ -79,6 +87,15 @@ class NHAAttentionMixin:
             self.transfer_loss = self._transfer_loss(output, hidden_states, position_embeddings, attention_mask,
                                                      padding_mask, kwargs)
         return output, None
+
+    def _decode_on_static_cache(self, hidden_states, position_embeddings, layer_cache):
+        """A full layer's one-token step on a static cache: the original projections and RoPE, then attention over the
+        cache's stored positions (`StaticFullLayer.decode`: no mask over the whole cache, no per-head copies)."""
+        q, k, v = self.project_qkv(hidden_states)
+        cos, sin = position_embeddings
+        q, k = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
+        out = layer_cache.decode(q, k, v, self.scaling)
+        return self.o_proj(out.reshape(*hidden_states.shape[:2], -1)), None
 
     def _transfer_loss(self, output, hidden_states, position_embeddings, attention_mask, padding_mask, kwargs):
         """MSE to what the original (full-attention) layer outputs for the same input, over real tokens."""
@@ -125,6 +142,35 @@ class NHAForCausalLMMixin:
         for attention, window in zip(self.nha_attention_layers(), windows):
             attention.window = window
 
+    @contextlib.contextmanager
+    def slot_reads_disabled(self):
+        """Inside: every NHA layer attends to its window alone (its slots get no softmax mass), the sliding-window
+        baseline of the same weights and windows; full layers are unchanged. A layer of window 0 then sees nothing
+        and outputs zeros."""
+        layers = self.nha_attention_layers()
+        previous = [attention.slot_reads for attention in layers]
+        for attention in layers:
+            attention.slot_reads = False
+        try:
+            yield self
+        finally:
+            for attention, reads in zip(layers, previous):
+                attention.slot_reads = reads
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """transformers reads this from the source of the class's own module (this one); the experts are the original
+        family's modules, so the original class answers (Qwen3-MoE: yes, so its experts run grouped, not one by one)."""
+        return cls.__bases__[-1]._can_set_experts_implementation()
+
+    def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size, model_kwargs):
+        """`generate(..., cache_implementation="static")`: an `NHAStaticCache` for the whole generation, whose
+        one-token steps replay a CUDA graph on CUDA (transformers' own StaticCache holds no NHA state)."""
+        if cache_implementation != "static":
+            raise ValueError(f"cache_implementation={cache_implementation!r}: an NHA model takes 'static' or the "
+                             "default dynamic cache")
+        return NHAStaticCache(self.config, batch_size, max_cache_len, self.dtype, self.device)
+
     def forward(
         self,
         input_ids=None,
@@ -140,19 +186,37 @@ class NHAForCausalLMMixin:
     ):
         cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and not isinstance(cache, NHACache):
+        if use_cache and not isinstance(cache, (NHACache, NHAStaticCache)):
             if cache is not None and cache.get_seq_length() > 0:
                 raise TypeError(f"an NHA model needs an NHACache, got a filled {type(cache).__name__}")
             cache = NHACache(self.config)
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            kwargs["nha_padding_mask"] = attention_mask
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # a one-token step reads only its own column: passed on without a device sync to learn whether all are 1
+            if tokens.shape[1] == 1 or not bool(attention_mask.all()):
+                kwargs["nha_padding_mask"] = attention_mask
+        if (isinstance(cache, NHAStaticCache) and cache.cuda_graph and input_ids is not None and input_ids.shape[1] == 1
+                and labels is None and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states")
+                and self._decode_capturable() and not torch.cuda.is_current_stream_capturing()):
+            return self._replayed_step(input_ids, position_ids, kwargs.get("nha_padding_mask"), cache)
+        return self._step(input_ids, attention_mask, position_ids, inputs_embeds, labels, use_cache, logits_to_keep,
+                          cache, **kwargs)
+
+    def _step(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, use_cache, logits_to_keep, cache,
+              **kwargs):
+        """One eager forward on `cache` (None, an `NHACache` or an `NHAStaticCache`)."""
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        static = isinstance(cache, NHAStaticCache)
+        if static:
+            cache.positions.admit(tokens.shape[1], kwargs.get("nha_padding_mask"))
+            if tokens.shape[1] == 1:  # its layers read the cache's real-token flags, not transformers' masks
+                attention_mask = None
         kwargs[_CACHE_ARGUMENT] = cache
         # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200 (torch 2.11). The
         # full layers' decode steps use the other SDPA backends, set once per model step (a switch costs host time).
-        tokens = input_ids if input_ids is not None else inputs_embeds
         decoding_on_gpu = tokens is not None and tokens.is_cuda and tokens.shape[1] == 1
         with sdpa_kernel(_DECODE_SDPA_BACKENDS) if decoding_on_gpu else contextlib.nullcontext():
-            return super().forward(
+            output = super().forward(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
@@ -162,6 +226,28 @@ class NHAForCausalLMMixin:
                 logits_to_keep=logits_to_keep,
                 **kwargs,
             )
+        if static:
+            cache.positions.advance(tokens.shape[1])
+        return output
+
+    def _decode_capturable(self) -> bool:
+        """Whether a one-token step can be captured as a CUDA graph: not with MoE experts in transformers' eager form,
+        which finds each expert's tokens with a host sync."""
+        return not hasattr(self.config, "num_experts") or self.config._experts_implementation != "eager"
+
+    def _replayed_step(self, input_ids, position_ids, token_mask, cache):
+        """A one-token step on a static CUDA cache through its `DecodeGraph` (captured at the first such step)."""
+        if cache.decode_graph is None:
+            cache.decode_graph = DecodeGraph(input_ids.shape[0], input_ids.device)
+        if position_ids is None:  # as the model would compute them: after the filled positions
+            position_ids = cache.positions.length.view(1, 1).expand(input_ids.shape[0], 1)
+
+        def step(ids, positions, mask):
+            return self._step(ids, None, positions, None, None, True, 1, cache, nha_padding_mask=mask)
+
+        output = cache.decode_graph(step, input_ids, position_ids, token_mask)
+        output[_CACHE_ARGUMENT] = cache
+        return output
 
 
 _DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

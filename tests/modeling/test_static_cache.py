@@ -8,7 +8,7 @@ from nha_retrofit.modeling.nha_cache import SPLIT_FROM, NHAStaticCache, attend_s
 from nha_retrofit.plan import nha_state_bytes
 from tiny_models import TINY_LLAMA, left_padded_ids, tiny_nha_pair
 
-WINDOW_PLANS = [[3, None, 0, 5], [0, 0, None, 0], [64, None, 64, 64], [None] * 4]
+WINDOW_PLANS = [[3, None, 0, 5], [64, None, 64, 64], [None] * 4]
 HOST_READS = ("__bool__", "item", "__int__", "__float__", "tolist")
 
 
@@ -16,7 +16,7 @@ def cache_of(output):
     return getattr(output, "cache", None) or output.past_key_values
 
 
-def generate_both(model, ids, mask, new_tokens=10, **kwargs):
+def generate_both(model, ids, mask, new_tokens=6, **kwargs):
     common = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
                   output_logits=True, **kwargs)
     with torch.no_grad():
@@ -36,23 +36,23 @@ def test_static_generate_equals_dynamic_on_a_left_padded_batch(windows):
 def test_static_generate_past_the_split_length_equals_dynamic():
     """A cache longer than SPLIT_FROM positions is read in slices: same tokens and logits as the dynamic cache."""
     _, nha = tiny_nha_pair([4, None, 2, None], max_position_embeddings=4096)
-    ids = torch.randint(3, 128, (2, SPLIT_FROM + 40), generator=torch.Generator().manual_seed(2))
-    dynamic, static = generate_both(nha, ids, torch.ones_like(ids), new_tokens=4)
-    assert cache_of(static).max_cache_len % 256 == 0 and cache_of(static).max_cache_len > SPLIT_FROM
+    ids = torch.randint(3, 128, (1, SPLIT_FROM + 40), generator=torch.Generator().manual_seed(2))
+    dynamic, static = generate_both(nha, ids, torch.ones_like(ids), new_tokens=3)
+    assert cache_of(static).get_max_length() % 256 == 0 and cache_of(static).get_max_length() > SPLIT_FROM
     assert torch.equal(dynamic.sequences, static.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(dynamic.logits, static.logits)) <= 1e-5
 
 
 def test_prefill_in_pieces_then_decode_on_a_static_cache_equals_one_forward():
     _, nha = tiny_nha_pair([3, None, 7, 0])
-    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(1))
-    cache = NHAStaticCache(nha.config, 2, 60, torch.float32, "cpu")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    cache = NHAStaticCache(nha.config, 2, 40, torch.float32, "cpu")
     with torch.no_grad():
         full = nha(ids, use_cache=False).logits
-        pieces = [nha(ids[:, :25], cache=cache).logits, nha(ids[:, 25:50], cache=cache).logits]
-        for t in range(50, 60):
+        pieces = [nha(ids[:, :20], cache=cache).logits, nha(ids[:, 20:34], cache=cache).logits]
+        for t in range(34, 40):
             pieces.append(nha(ids[:, t : t + 1], cache=cache).logits)
-    assert int(cache.get_seq_length()) == 60
+    assert int(cache.get_seq_length()) == 40
     assert (torch.cat(pieces, 1) - full).abs().max() <= 1e-5
 
 
@@ -74,23 +74,25 @@ def test_attend_stored_equals_softmax_attention_over_real_positions():
 
 def test_static_decode_reads_no_device_value_on_the_host(monkeypatch):
     """What a CUDA graph capture forbids: a one-token step on the static cache never turns a tensor into a Python
-    value (each such read is a device sync on CUDA). A prefill reads the filled length once."""
+    value (each such read is a device sync on CUDA). An unpadded prefill reads the filled length once, not once per
+    layer."""
     _, nha = tiny_nha_pair([3, None, 0, 5])
     ids, mask = left_padded_ids([12, 7], 12, seed=3)
-    cache = NHAStaticCache(nha.config, 2, 20, torch.float32, "cpu")
     reads = []
     for name in HOST_READS:
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: reads.append(_n) or _f(
             self, *a, **k))
     with torch.no_grad():
-        nha(ids, attention_mask=mask, cache=cache)
+        nha(ids, cache=NHAStaticCache(nha.config, 2, 20, torch.float32, "cpu"))
         assert reads == ["__int__"]
+        cache = NHAStaticCache(nha.config, 2, 20, torch.float32, "cpu")
+        nha(ids, attention_mask=mask, cache=cache)
         reads.clear()
         positions = mask.sum(1, keepdim=True)
         for step in range(3):
-            nha(ids[:, :1], attention_mask=torch.ones(2, 13 + step, dtype=torch.long), position_ids=positions + step,
-                cache=cache)
+            nha(ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, step + 1, dtype=torch.long)], 1),
+                position_ids=positions + step, cache=cache)
     assert reads == []
 
 
@@ -122,7 +124,7 @@ def test_repeated_cache_decodes_each_copy_as_the_original():
         token = torch.tensor([[17]])
         expected = nha(token, cache=single).logits
         logits = nha(token.expand(3, 1), cache=many).logits
-    assert int(many.get_seq_length()) == 26 and many.max_batch_size == 3
+    assert int(many.get_seq_length()) == 26 and many.batch_size == 3
     assert (logits - expected).abs().max() <= 1e-6
 
 
@@ -138,13 +140,14 @@ def test_static_cache_errors_name_the_limit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("windows", [[64, None, 64, 64], [0, 4, None, 8]])
 def test_graph_replayed_decode_equals_eager_decode_on_the_gpu(windows):
-    """bf16 on CUDA, the Triton decode step: greedy tokens equal and logits within bf16 rounding of the eager static
-    path, and `generate`'s static cache equals its dynamic cache."""
+    """On CUDA (the Triton decode step): bf16 steps replayed from the CUDA graph give the eager static steps' tokens
+    and logits; in float32, `generate` on the static cache (graph-replayed) gives the dynamic cache's tokens and
+    logits within 1e-4 (bf16 would let near-tied random logits flip a greedy token)."""
     _, nha = tiny_nha_pair(windows, slots=16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-    nha = nha.to("cuda", torch.bfloat16)
     ids, mask = left_padded_ids([40, 23, 9], 40, seed=5)
     ids, mask = ids.cuda(), mask.cuda()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    nha = nha.to("cuda", torch.bfloat16)
     runs = {}
     with torch.no_grad():
         for graph in (False, True):
@@ -160,6 +163,8 @@ def test_graph_replayed_decode_equals_eager_decode_on_the_gpu(windows):
             runs[graph] = torch.cat(tokens, 1), torch.cat(logits, 1)
             assert (cache.decode_graph is not None) == graph
     assert torch.equal(runs[False][0], runs[True][0])
-    assert (runs[False][1] - runs[True][1]).abs().max() <= 2e-2 * runs[False][1].abs().max()
-    dynamic, static = generate_both(nha, ids, mask, new_tokens=12)
+    assert (runs[False][1] - runs[True][1]).abs().max() <= 1e-2 * runs[False][1].abs().max()
+    dynamic, static = generate_both(nha.float(), ids, mask, new_tokens=12)
+    assert cache_of(static).decode_graph is not None
     assert torch.equal(dynamic.sequences, static.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(dynamic.logits, static.logits)) <= 1e-4
