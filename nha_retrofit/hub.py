@@ -17,6 +17,7 @@ from .conversion.converter import CONVERSION_RECORD, TOKENIZER_FILES
 from .conversion.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
 from .eval.compare import nha_checkpoint_class
+from .eval.report import EVAL_RECORD, read_record
 from .modeling.remote_code import checkpoint_remote_code
 from .plan import cache_dims, nha_state_bytes
 
@@ -68,8 +69,36 @@ def public_record(folder: Path) -> dict | None:
     return record
 
 
-def model_card(repo_id: str, config: dict, record: dict | None) -> str:
-    """A README.md for the Hub: metadata for search, what the model is, how to load it, what was measured."""
+def card_eval_results(evaluation: dict | None) -> list:
+    """The NHA model's scores in the latest evaluation (`nha-retrofit eval`'s `nha_eval.json`) as the card's
+    `eval_results`: held-out perplexities, lm-evaluation-harness metrics, and retrieval accuracy per length (mean
+    over needle depths). The other compared models are the card's tables, not its metadata."""
+    from huggingface_hub import EvalResult
+
+    results = []
+    evaluation = evaluation or {}
+    for text, values in (evaluation.get("heldout") or {}).items():
+        if "nha" in values:
+            results.append(EvalResult(task_type="text-generation", dataset_type=f"nha-retrofit/{text}",
+                                      dataset_name=f"held-out {text}", metric_type="perplexity",
+                                      metric_value=round(values["nha"], 4)))
+    for task, entry in (evaluation.get("harness") or {}).items():
+        for metric, values in entry["metrics"].items():
+            if "nha" in values:
+                results.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
+                                          metric_type=metric, metric_value=round(values["nha"], 4)))
+    for task, result in (evaluation.get("retrieval") or {}).items():
+        grid = result["accuracy"].get("nha")
+        for length, row in zip(result["lengths"], grid or []):
+            results.append(EvalResult(task_type="text-generation", dataset_type=f"nha-retrofit/{task}",
+                                      dataset_config=str(length), dataset_name=f"{task}, {length} tokens",
+                                      metric_type="accuracy", metric_value=round(sum(row) / len(row), 4)))
+    return results
+
+
+def model_card(repo_id: str, config: dict, record: dict | None, evaluation: dict | None = None) -> str:
+    """A README.md for the Hub: metadata for search (with the latest `nha-retrofit eval` scores as `eval_results`),
+    what the model is, how to load it, what was measured."""
     from huggingface_hub import ModelCardData
 
     windows = config["nha_windows"]
@@ -78,8 +107,10 @@ def model_card(repo_id: str, config: dict, record: dict | None) -> str:
     slots = config["nha_num_slots"]
     source = (record or {}).get("source", "")
     base = source if "/" in source and not Path(source).is_absolute() else None
+    scores = card_eval_results(evaluation)
     data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", tags=CARD_TAGS,
-                         base_model=base)
+                         base_model=base, eval_results=scores or None,
+                         model_name=repo_id.split("/")[-1] if scores else None)
     kv_heads, head_dim, width = cache_dims(config)
     state = nha_state_bytes(kv_heads, head_dim, slots, max(nha_windows, default=0), width)
     of = f"of [{base}](https://huggingface.co/{base})" if base else f"of {source or 'a pretrained model'}"
@@ -114,6 +145,12 @@ def model_card(repo_id: str, config: dict, record: dict | None) -> str:
             lines.append(f"| {key} | {cells[0]} | {cells[1]} |")
     elif record is not None and not finetune:
         lines += ["", "Converted, not finetuned: the gates start from the key projections; finetune before use."]
+    if evaluation:
+        from .eval.report import format_report
+
+        lines += ["", "## Evaluation", "", "The latest `nha-retrofit eval` of this checkpoint: the original model "
+                  "(every layer full attention, the same weights), the NHA model, it with every window full, and it "
+                  "with its slot reads off (sliding windows alone).", "", format_report(evaluation).rstrip()]
     return "\n".join(lines) + "\n"
 
 
@@ -134,11 +171,14 @@ def prepare_upload(folder, repo_id: str) -> Upload:
     record = public_record(folder)
     if record is not None:
         written[CONVERSION_RECORD] = (json.dumps(record, indent=2) + "\n").encode()
+    evaluation = read_record(folder)
+    if evaluation is not None:
+        files.append(EVAL_RECORD)
     if (folder / "README.md").is_file():
         files.append("README.md")
     else:
         config = json.loads((folder / "config.json").read_text())
-        written["README.md"] = model_card(repo_id, config, record).encode()
+        written["README.md"] = model_card(repo_id, config, record, evaluation).encode()
     sent = set(files) | set(written)
     skipped = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                      if p.is_file() and str(p.relative_to(folder)) not in sent)

@@ -78,6 +78,31 @@ def test_card_names_a_hub_base_model_and_the_finetuning_numbers():
     assert "base_model" not in model_card("me/x", config, {"source": "/home/me/llama"})
 
 
+def test_card_metadata_holds_the_latest_evaluation_of_the_nha_model():
+    """`nha-retrofit eval`'s record becomes the card's eval_results (the NHA model's scores; retrieval as the mean
+    over depths per length) and its tables."""
+    from huggingface_hub import ModelCard
+
+    config = {"nha_windows": [None, 64, 64, None], "nha_num_slots": 64, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "hidden_size": 4096, "dtype": "bfloat16"}
+    evaluation = {
+        "device": "NVIDIA H200", "dtype": "bfloat16", "windows": config["nha_windows"],
+        "variants": ["original", "nha", "window_only"],
+        "heldout": {"python-docs": {"original": 10.5, "nha": 11.25, "window_only": 14.0}},
+        "harness": {"arc_easy": {"examples": 2376, "metrics": {"acc": {"original": 0.51, "nha": 0.4812}}}},
+        "retrieval": {"passkey": {"lengths": [1024, 2048], "depths": [0, 100], "samples": 10, "haystack": "python-docs",
+                                  "seed": 0, "accuracy": {"original": [[1.0, 1.0], [1.0, 0.9]],
+                                                          "nha": [[1.0, 0.8], [0.5, 0.7]],
+                                                          "window_only": [[0.0, 0.1], [0.0, 0.0]]}}},
+    }
+    card = model_card("me/llama-nha", config, None, evaluation)
+    results = {(r.dataset_name, r.metric_type): r.metric_value for r in ModelCard(card).data.eval_results}
+    assert results == {("held-out python-docs", "perplexity"): 11.25, ("arc_easy", "acc"): 0.4812,
+                       ("passkey, 1024 tokens", "accuracy"): 0.9, ("passkey, 2048 tokens", "accuracy"): 0.6}
+    assert "## Evaluation" in card and "| python-docs | 10.50 | 11.25 | 14.00 |" in card
+    assert "| 2048 | 95.0 | 60.0 | 0.0 |" in card and "model-index" not in model_card("me/x", config, None)
+
+
 def test_an_own_readme_is_sent_as_it_is_and_other_files_stay_home(family, tmp_path):
     _, _, _, out = family
     folder = tmp_path / "ckpt"

@@ -1,12 +1,10 @@
-"""Held-out perplexity of a converted checkpoint against its original: the first number every user wants."""
+"""Loading NHA checkpoints, and their held-out perplexity against the original: the first number every user wants."""
 
 import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..conversion.converter import CONVERSION_RECORD
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..errors import NHARetrofitError
 from .perplexity import perplexity
@@ -33,43 +31,35 @@ def load_nha_checkpoint(folder: Path, dtype=torch.float32):
 DEFAULT_TEXTS = ("python-stdlib", "python-docs", "shakespeare")
 
 
-def compare_perplexity(folder, texts=DEFAULT_TEXTS, *, max_tokens=8192, chunk_len=1024, log=print):
-    """Perplexity of the original model, the converted model as planned, and the converted model with every window
-    full (which must equal the original: a visible check of the conversion). Returns {text: {variant: ppl}}."""
-    folder = Path(folder)
+def check_texts(texts) -> None:
+    """One error line for an unknown held-out text or one whose package is missing (each text is read: milliseconds)."""
     unknown = [t for t in texts if t not in HELDOUT_TEXTS]
-    if unknown:
-        raise NHARetrofitError(f"unknown text {unknown[0]!r}; available: {', '.join(HELDOUT_TEXTS)}")
-    record_path = folder / CONVERSION_RECORD
-    if not record_path.is_file():
-        raise NHARetrofitError(f"{folder} has no {CONVERSION_RECORD}: it was not written by `nha-retrofit convert`")
-    source = Path(json.loads(record_path.read_text())["source_path"])
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if unknown or not texts:
+        raise NHARetrofitError(f"unknown text {unknown[0] if unknown else '(none given)'!r}; available: "
+                               f"{', '.join(HELDOUT_TEXTS)}")
+    for name in texts:
+        HELDOUT_TEXTS[name]()
+
+
+def compare_perplexity(variants, tokenizer, texts=DEFAULT_TEXTS, *, max_tokens=8192, chunk_len=1024, batch_size=1,
+                       log=print):
+    """Held-out perplexity of each compared model (`variants.Variants`: the original, the NHA model as planned, with
+    every window full, with its slot reads off) on each text, in independent chunks. Returns {text: {variant: ppl}}."""
+    check_texts(texts)
     streams = {name: load_heldout_tokens(tokenizer, name, max_tokens) for name in texts}
     results = {name: {} for name in texts}
-
-    def measure(variant, model):
-        for name, ids in streams.items():
-            results[name][variant] = perplexity(model, ids, chunk_len=chunk_len, max_tokens=max_tokens, progress=True)
-            log(f"{name:>14}  {variant:<22} perplexity {results[name][variant]:.2f}")
-
-    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    measure("original", original)
-    del original
-    converted = load_nha_checkpoint(folder)
-    planned = list(converted.config.nha_windows)
-    measure("converted", converted)
-    converted.set_windows([None] * len(planned))
-    measure("converted, all full", converted)
-    converted.set_windows(planned)
+    for variant in variants.names:
+        with variants.use(variant) as model:
+            for name, ids in streams.items():
+                results[name][variant] = perplexity(model, ids, chunk_len=chunk_len, max_tokens=max_tokens,
+                                                    batch_size=batch_size, progress=True)
+                log(f"{name:>14}  {variant:<14} perplexity {results[name][variant]:.2f}")
     return results
 
 
-def generate_text(folder, prompt: str, max_new_tokens: int = 40) -> str:
-    """Greedy completion of `prompt` by the checkpoint at `folder` (NHA or not)."""
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = load_nha_checkpoint(folder)
-    inputs = tokenizer(prompt, return_tensors="pt")
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 40) -> str:
+    """Greedy completion of `prompt` by `model`, on the model's device."""
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -1,0 +1,101 @@
+"""`nha-retrofit eval`: every kind of task in one run on the CPU (tables printed; JSON, markdown and PNGs in the output
+folder; the latest evaluation recorded in the checkpoint and put into the model card by `push`), and one clear line
+with nothing written for each mistake."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from cli_helpers import cli
+from nha_retrofit.hub import prepare_upload
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+VARIANTS = ["original", "nha", "nha_all_full", "window_only"]
+SETUPS = {"NO-LM-EVAL", "NO-MATPLOTLIB", "EXISTING-OUTPUT"}  # what a bad-input case sets up, not arguments
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint, tmp_path):
+    """A copy of the tiny checkpoint, which the evaluation writes its record into."""
+    return shutil.copytree(tiny_checkpoint, tmp_path / "checkpoint")
+
+
+def test_every_task_kind_in_one_run(checkpoint, local_tasks, tmp_path):
+    out, json_path = tmp_path / "out", tmp_path / "report.json"
+    code, output = cli(
+        "eval", checkpoint, "--tasks", "heldout,passkey,niah,positions,tiny_choice", "--include-path", local_tasks,
+        "--device", "cpu", "--texts", "python-docs", "--max-tokens", "400", "--chunk-len", "200", "--lengths",
+        "450", "--depths", "0,100", "--samples", "2", "--position-length", "300", "--sequences", "2",
+        "--limit", "3", "--batch-size", "2", "--prompt", "The pass key is", "--output", out, "--json", json_path,
+    )
+    assert code == 0, output
+    for title in ("### Held-out perplexity", "### lm-evaluation-harness", "### passkey: accuracy (%)",
+                  "### niah_single", "### niah_multikey", "### Mean next-token loss by position"):
+        assert title in output
+    assert "| python-docs |" in output and "| 256-300 |" in output and "\nThe pass key is" in output
+
+    report = json.loads((out / "evaluation.json").read_text())
+    assert json.loads(json_path.read_text()) == report
+    assert report["variants"] == VARIANTS and report["device"] == "cpu" and report["dtype"] == "float32"
+    assert report["heldout"]["python-docs"]["original"] == report["heldout"]["python-docs"]["nha_all_full"]
+    assert report["harness"]["tiny_choice"]["examples"] == 3
+    for task in ("passkey", "niah_single", "niah_multikey"):
+        result = report["retrieval"][task]
+        assert result["lengths"] == [450] and result["depths"] == [0, 100]
+        assert result["accuracy"]["original"] == result["accuracy"]["nha_all_full"]
+        for grid in result["accuracy"].values():
+            assert len(grid) == 1 and len(grid[0]) == 2 and all(v in (0, 0.5, 1) for v in grid[0])
+    assert report["positions"]["buckets"] == [[0, 64], [64, 128], [128, 256], [256, 300]]
+    pngs = {f"{task}_{variant}.png" for task in ("passkey", "niah_single", "niah_multikey") for variant in VARIANTS}
+    assert {p.name for p in out.iterdir()} == {"evaluation.json", "evaluation.md", "positions.png", *pngs}
+    assert all((out / name).read_bytes().startswith(PNG_SIGNATURE) for name in [*pngs, "positions.png"])
+    assert "### passkey" in (out / "evaluation.md").read_text()
+
+    record = json.loads((checkpoint / "nha_eval.json").read_text())
+    assert "checkpoint" not in record and record["retrieval"] == report["retrieval"]
+    code, output = cli("eval", checkpoint, "--tasks", "heldout", "--variants", "nha", "--device", "cpu", "--texts",
+                       "python-stdlib", "--max-tokens", "400", "--chunk-len", "200", "--prompt", "")
+    assert code == 0, output
+    record = json.loads((checkpoint / "nha_eval.json").read_text())  # the new text joins the earlier results
+    assert sorted(record["heldout"]) == ["python-docs", "python-stdlib"] and record["harness"] == report["harness"]
+
+    upload = prepare_upload(checkpoint, "me/tiny-nha")
+    assert "nha_eval.json" in upload.files
+    card = upload.written["README.md"].decode()
+    assert "model-index:" in card and "name: tiny-nha" in card and "type: nha-retrofit/passkey" in card
+    assert "name: passkey, 450 tokens" in card and "type: tiny_choice" in card and "## Evaluation" in card
+    assert f"value: {round(record['heldout']['python-stdlib']['nha'], 4)}" in card
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "passkey", "--lengths", "256,1024"], "length 1024 is beyond the model's 512 positions "
+                                                      "(max_position_embeddings); pass --allow-beyond-positions"),
+    (["--tasks", "positions", "--position-length", "600"], "position length 600 is beyond the model's 512"),
+    (["--tasks", "passkee", "--include-path", "TASKS"], "unknown task 'passkee' (did you mean 'passkey'?)"),
+    (["--tasks", "passkey", "--depths", "0,150"], "needle depths are percentages from 0 to 100"),
+    (["--tasks", "heldout", "--texts", "wikitext"], "unknown text 'wikitext'"),
+    (["--tasks", "heldout", "--chunk-len", "9000"], "--chunk-len must be >= 2 and at most --max-tokens (8192)"),
+    (["--variants", "nha,sliding"], "unknown model variant 'sliding'"),
+    (["--tasks", "passkey", "--lengths", "30"], "length 30 is too short for passkey"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--tasks", "arc_easy", "NO-LM-EVAL"], "task 'arc_easy' is not built in (heldout, passkey, niah, "
+                                            "niah_single, niah_multikey, positions); lm-evaluation-harness tasks need "
+                                            "lm-eval: pip install 'nha-retrofit[eval]'"),
+    (["--tasks", "passkey", "NO-MATPLOTLIB"], "the PNG plots need matplotlib: pip install 'nha-retrofit[eval]'"),
+    (["EXISTING-OUTPUT"], "already exists; pass --overwrite to replace it"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(checkpoint, local_tasks, tmp_path, monkeypatch, args, message):
+    out = tmp_path / "out"
+    if "NO-LM-EVAL" in args:
+        monkeypatch.setitem(sys.modules, "lm_eval", None)  # any import of it now fails
+    if "NO-MATPLOTLIB" in args:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    if "EXISTING-OUTPUT" in args:
+        out.mkdir()
+    args = [str(local_tasks) if a == "TASKS" else a for a in args if a not in SETUPS]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, output = cli("eval", checkpoint, *args, "--samples", "1", "--output", out, "--json", tmp_path / "r.json")
+    assert code == 1 and output.startswith("error: ") and message in output and len(output.splitlines()) == 1, output
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
