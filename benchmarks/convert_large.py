@@ -4,7 +4,8 @@ Builds a checkpoint with the shapes of Meta-Llama-3-8B (random bf16 weights, the
 index), then runs the CLI in a child process that reports its own peak RSS (VmHWM of its address space: unlike
 getrusage's maxrss, it is not inherited from the parent across fork and exec).
 Usage: python benchmarks/convert_large.py [--workdir /tmp/nha-bench] [--keep]
-Writes benchmarks/results/convert_<name>.json.
+Writes benchmarks/results/convert_<name>.json. `write_checkpoint` also writes Qwen3-30B-A3B's layout (experts stored
+one by one, as on the Hub), for benchmarks/train_large.py.
 """
 
 import argparse
@@ -48,9 +49,49 @@ def llama_tensors(config):
     yield "lm_head.weight", (v, h)
 
 
-def write_checkpoint(folder: Path, config: dict, shards: int = 4):
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=151643,
+    eos_token_id=151643, attention_bias=False,
+)
+
+
+def qwen3_moe_tensors(config):
+    """(name, shape) of every tensor of a Qwen3-MoE checkpoint as the Hub stores it (one tensor per expert)."""
+    h, v, e = config["hidden_size"], config["vocab_size"], config["moe_intermediate_size"]
+    d = config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    yield "model.embed_tokens.weight", (v, h)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        yield p + "self_attn.q_proj.weight", (q, h)
+        yield p + "self_attn.k_proj.weight", (kv, h)
+        yield p + "self_attn.v_proj.weight", (kv, h)
+        yield p + "self_attn.o_proj.weight", (h, q)
+        yield p + "self_attn.q_norm.weight", (d,)
+        yield p + "self_attn.k_norm.weight", (d,)
+        yield p + "mlp.gate.weight", (config["num_experts"], h)
+        for expert in range(config["num_experts"]):
+            yield p + f"mlp.experts.{expert}.gate_proj.weight", (e, h)
+            yield p + f"mlp.experts.{expert}.up_proj.weight", (e, h)
+            yield p + f"mlp.experts.{expert}.down_proj.weight", (h, e)
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+
+
+TENSORS = {"llama": llama_tensors, "qwen3_moe": qwen3_moe_tensors}
+
+
+def write_checkpoint(folder: Path, config: dict, shards: int = 4, device: str = "cpu"):
+    """Random bf16 weights (normal, std 0.02; norms too) of `config`'s shapes in `shards` safetensors files with
+    the Hub's index; drawn on `device` (a GPU draws 8B values in well under a second)."""
     folder.mkdir(parents=True)
-    tensors = list(llama_tensors(config))
+    tensors = list(TENSORS[config["model_type"]](config))
     sizes = [torch.Size(shape).numel() * 2 for _, shape in tensors]
     budget = sum(sizes) / shards
     groups, current, used = [], [], 0
@@ -61,10 +102,11 @@ def write_checkpoint(folder: Path, config: dict, shards: int = 4):
         current.append((name, shape))
         used += size
     groups.append(current)
-    weight_map, generator = {}, torch.Generator().manual_seed(0)
+    weight_map, generator = {}, torch.Generator(device).manual_seed(0)
     for index, group in enumerate(groups):
         file = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16) for name, shape in group}
+        shard = {name: (torch.randn(shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
+                 for name, shape in group}
         save_file(shard, folder / file, metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
         del shard
@@ -72,6 +114,27 @@ def write_checkpoint(folder: Path, config: dict, shards: int = 4):
         json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map})
     )
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def run_cli(args: list[str], env: dict | None = None) -> tuple[float, float]:
+    """`nha-retrofit ARGS` in a child process: (wall seconds, the child's own peak RSS in GB)."""
+    child = (
+        "import sys; from nha_retrofit.cli import app\n"
+        "try:\n    app(sys.argv[1:], prog_name='nha-retrofit')\n"
+        "except SystemExit as done:\n    assert not done.code, done.code\n"
+        "peak = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+        "print('PEAK_KB', peak)"
+    )
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", child, *args], check=True, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    print(run.stdout)
+    return wall, int(run.stdout.split("PEAK_KB")[-1].split()[0]) * 1024 / 1e9
+
+
+def machine() -> str:
+    return (f"{platform.node()}: {os.cpu_count()} cores, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
 
 
 def main():
@@ -85,25 +148,12 @@ def main():
         write_checkpoint(source, LLAMA3_8B)
         print(f"wrote the source checkpoint in {time.perf_counter() - start:.0f} s")
     shutil.rmtree(output, ignore_errors=True)
-    child = (
-        "import sys; from nha_retrofit.cli import app\n"
-        "try:\n    app(sys.argv[1:], prog_name='nha-retrofit')\n"
-        "except SystemExit as done:\n    assert not done.code, done.code\n"
-        "peak = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
-        "print('PEAK_KB', peak)"
-    )
-    cli = ["convert", str(source), "--full-layers", "4", "-o", str(output)]
-    start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", child, *cli], check=True, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    print(run.stdout)
-    peak_rss_gb = int(run.stdout.split("PEAK_KB")[-1].split()[0]) * 1024 / 1e9
+    wall, peak_rss_gb = run_cli(["convert", str(source), "--full-layers", "4", "-o", str(output)])
     size_gb = sum(p.stat().st_size for p in output.glob("*.safetensors")) / 1e9
     result = {
         "model": "Meta-Llama-3-8B shapes, random bf16, 4 Hub shards", "plan": "4 full layers, w=64, M=64",
         "wall_s": round(wall, 1), "peak_rss_gb": round(peak_rss_gb, 2), "output_gb": round(size_gb, 2),
-        "targets": {"wall_s": 120, "peak_rss_gb": 3}, "machine": f"{platform.node()}: {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM", "date": time.strftime("%Y-%m-%d"),
+        "targets": {"wall_s": 120, "peak_rss_gb": 3}, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
         "load_average_1m": os.getloadavg()[0],
     }
     print(json.dumps(result, indent=2))

@@ -55,7 +55,9 @@ def write_json(path: Path | None, report: dict) -> None:
             tmp.write_text(json.dumps(report, indent=2) + "\n")
 
 
-ModelArgument = Annotated[str, typer.Argument(help="Local folder, Hub id in the local HF cache, or 'smollm2-135m'.")]
+ModelArgument = Annotated[str, typer.Argument(help="Local folder, Hub id (downloaded if missing), or 'smollm2-135m'.")]
+RevisionOption = Annotated[str | None, typer.Option(help="Branch, tag or commit of a Hub id (default: main).")]
+TokenOption = Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`).")]
 FullLayersOption = Annotated[int, typer.Option(help="Layers that keep full attention.")]
 FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exact full layers, e.g. 3,11,19,27.")]
 SelectOption = Annotated[str, typer.Option(help="Where --full-layers go: even, first or last.")]
@@ -95,12 +97,15 @@ def convert(
     gate_init: Annotated[str, typer.Option(help="from_k (copy k_proj, the paper) or random.")] = "from_k",
     allow_pickle: Annotated[bool, typer.Option(help="Accept .bin/.pt weights (loaded with weights_only).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
+    revision: RevisionOption = None,
+    token: TokenOption = None,
 ):
     """Convert a pretrained Llama, Qwen2.5 or Qwen3-MoE model into an NHA hybrid checkpoint (shard by shard)."""
     from .conversion.converter import convert as run_convert
 
     run_convert(
-        model, output, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
+        model, output, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite, revision=revision,
+        token=token,
         **plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init),
     )
 
@@ -117,13 +122,15 @@ def plan(
     slots: SlotsOption = 64,
     gate_normalizer: GateNormalizerOption = 8.0,
     slot_bias_init: SlotBiasOption = -4.0,
+    revision: RevisionOption = None,
+    token: TokenOption = None,
 ):
     """Print the layer plan (per layer: window, slots, new parameters, cache bytes) without converting."""
     from .conversion.resolve import resolve_model
     from .conversion.source import read_source_config_dict
     from .plan import plan_table
 
-    config = read_source_config_dict(resolve_model(model))
+    config = read_source_config_dict(resolve_model(model, revision=revision, token=token, config_only=True))
     typer.echo(plan_table(config, **plan_arguments(
         full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init
     )))
@@ -132,52 +139,135 @@ def plan(
 @app.command("eval")
 @user_errors
 def evaluate(
-    checkpoint: Annotated[Path, typer.Argument(help="A folder written by `nha-retrofit convert`.")],
-    texts: Annotated[str, typer.Option(help="Comma-separated held-out texts.")] = (
+    checkpoint: Annotated[Path, typer.Argument(help="An NHA checkpoint folder (converted or exported).")],
+    tasks: Annotated[str, typer.Option(help="Comma-separated: heldout, passkey, niah, positions, lm-eval tasks.")] = (
+        "heldout"
+    ),
+    variants: Annotated[str, typer.Option(help="Compared models: original, nha, nha_all_full, window_only.")] = (
+        "original,nha,nha_all_full,window_only"
+    ),
+    device: DeviceOption = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = (
+        "auto"
+    ),
+    batch_size: Annotated[int, typer.Option(help="Sequences per forward pass.")] = 1,
+    limit: Annotated[int | None, typer.Option(help="lm-eval tasks: score the first N examples of each.")] = None,
+    include_path: Annotated[Path | None, typer.Option(help="A folder of lm-eval task YAML files.")] = None,
+    texts: Annotated[str, typer.Option(help="heldout, positions: comma-separated held-out texts.")] = (
         "python-stdlib,python-docs,shakespeare"
     ),
-    max_tokens: Annotated[int, typer.Option(help="Tokens of each text to score.")] = 8192,
-    chunk_len: Annotated[int, typer.Option(help="Tokens per independent chunk.")] = 1024,
-    prompt: Annotated[str, typer.Option(help="Prompt for a short greedy completion ('' to skip).")] = (
+    max_tokens: Annotated[int, typer.Option(help="heldout: tokens of each text to score.")] = 8192,
+    chunk_len: Annotated[int, typer.Option(help="heldout: tokens per independent chunk.")] = 1024,
+    lengths: Annotated[str | None, typer.Option(help="passkey/niah: lengths in tokens (default 1K..4x training).")] = (
+        None
+    ),
+    depths: Annotated[str, typer.Option(help="passkey/niah: needle depths in percent.")] = "0,25,50,75,100",
+    samples: Annotated[int, typer.Option(help="passkey/niah: samples per length and depth.")] = 10,
+    haystack: Annotated[str, typer.Option(help="passkey/niah: the held-out text of the haystacks.")] = "python-docs",
+    seed: Annotated[int, typer.Option(help="passkey/niah: seed of the samples.")] = 0,
+    position_length: Annotated[int | None, typer.Option(help="positions: tokens per sequence.")] = None,
+    sequences: Annotated[int, typer.Option(help="positions: sequences of held-out text.")] = 8,
+    allow_beyond_positions: Annotated[bool, typer.Option(help="Allow lengths past max_position_embeddings.")] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder for the JSON, tables and PNGs.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing --output folder.")] = False,
+    json_output: JsonOption = None,
+    prompt: Annotated[str, typer.Option(help="heldout: prompt of a short greedy completion ('' to skip).")] = (
         "The three most important rules of writing readable Python code are"
     ),
 ):
-    """Held-out perplexity: original vs converted (as planned) vs converted with every window full; then generate."""
-    from .eval.compare import compare_perplexity, generate_text
+    """Score the original, the NHA model, it with all windows full, and it window-only, side by side on one copy of
+    the weights: held-out perplexity, lm-evaluation-harness tasks, passkey and needle retrieval, loss by position."""
+    from .atomic import check_output_folder
+    from .errors import NHARetrofitError
+    from .eval.evaluate import HeldoutSpec, evaluate_checkpoint
+    from .eval.positions import PositionSpec
+    from .eval.report import format_report, record_in_checkpoint, write_outputs
+    from .eval.retrieval import RetrievalSpec
 
-    results = compare_perplexity(
-        checkpoint, parse_names(texts), max_tokens=max_tokens, chunk_len=chunk_len
+    if output is not None:
+        check_output_folder(output, overwrite)
+    task_names = parse_names(tasks)
+    report = evaluate_checkpoint(
+        checkpoint, task_names, variants=parse_names(variants), device=device, dtype=dtype, batch_size=batch_size,
+        limit=limit, include_path=include_path,
+        heldout=HeldoutSpec(parse_names(texts), max_tokens, chunk_len),
+        retrieval=RetrievalSpec(parse_ints(lengths, "lengths such as 1024,4096") if lengths else None,
+                                parse_ints(depths, "depths in percent such as 0,50,100"), samples, haystack, seed),
+        positions=PositionSpec(position_length, sequences, parse_names(texts)),
+        allow_beyond_positions=allow_beyond_positions,
+        prompt=prompt if "heldout" in task_names else None, plots=output is not None, progress=True,
     )
-    variants = list(next(iter(results.values())))
-    typer.echo("\n| text | " + " | ".join(variants) + " |\n|---|" + "---|" * len(variants))
-    for name, row in results.items():
-        typer.echo(f"| {name} | " + " | ".join(f"{row[v]:.2f}" for v in variants) + " |")
-    if prompt:
-        typer.echo(f"\n{prompt}{generate_text(checkpoint, prompt)}")
+    typer.echo("\n" + format_report(report))
+    if "completion" in report:
+        typer.echo(f"{prompt}{report['completion']['text']}")
+    write_outputs(report, output, json_output, overwrite)
+    try:
+        record_in_checkpoint(checkpoint, report)
+    except NHARetrofitError as error:
+        typer.secho(f"note: the evaluation was not recorded in the checkpoint: {error}", err=True)
 
 
 @app.command()
 @user_errors
 def bench(
-    checkpoint: Annotated[Path, typer.Argument(help="An NHA checkpoint folder (converted or exported).")],
+    checkpoint: Annotated[Path | None, typer.Argument(help="An NHA checkpoint folder (converted or exported).")] = None,
+    random_weights: Annotated[str | None, typer.Option(
+        help="Instead of a checkpoint: an architecture from its config alone, random weights (llama3-8b, qwen2.5-7b, "
+             "qwen3-30b-a3b or a config.json).")] = None,
     contexts: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "512,2048",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes for decode throughput.")] = "",
+    batch_contexts: Annotated[str | None, typer.Option(help="Contexts of the batch runs (default: all).")] = None,
     decode_steps: Annotated[int, typer.Option(help="Greedy one-token steps timed after each prefill.")] = 16,
     rounds: Annotated[int, typer.Option(help="Alternating rounds, original then NHA; medians are reported.")] = 3,
+    longest: Annotated[bool, typer.Option(help="Also find the longest context that fits, by doubling.")] = False,
+    compile_original: Annotated[bool, typer.Option(
+        help="Also time the original's decode through torch.compile (first context, batch 1).")] = False,
+    layers: Annotated[int | None, typer.Option(help="With --random-weights: keep only the first N layers.")] = None,
+    full_layers: FullLayersOption = 4,
+    full_layer_ids: FullLayerIdsOption = None,
+    select: SelectOption = "even",
+    windows: WindowsOption = None,
+    window: WindowOption = 64,
+    slots: SlotsOption = 64,
     device: DeviceOption = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = (
         "auto"
     ),
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Folder to write bench.json, bench.md and the charts (PNG) to.")] = None,
     json_output: JsonOption = None,
 ):
-    """Prefill ms, decode ms per token and cache size: the checkpoint against its original (same weights), batch 1."""
-    from .eval.speed import benchmark_checkpoint, format_table
+    """Prefill, decode, memory and batch throughput: an NHA model against its original with the same weights."""
+    from .errors import NHARetrofitError
+    from .eval.speed import benchmark_checkpoint, benchmark_random_weights
 
-    report = benchmark_checkpoint(
-        checkpoint, parse_ints(contexts, "context lengths such as 512,2048"), decode_steps=decode_steps,
-        rounds=rounds, device=device, dtype=dtype, progress=True,
+    if (checkpoint is None) == (random_weights is None):
+        raise NHARetrofitError("give a checkpoint folder or --random-weights CONFIG (one of the two)")
+    options = dict(
+        contexts=parse_ints(contexts, "context lengths such as 512,2048"), decode_steps=decode_steps, rounds=rounds,
+        batch_sizes=parse_ints(batch_sizes, "batch sizes such as 1,8,64"), longest=longest,
+        batch_contexts=None if batch_contexts is None else parse_ints(batch_contexts, "context lengths"),
+        compile_original=compile_original, device=device, dtype=dtype, progress=True,
     )
-    typer.echo(format_table(report))
+    if checkpoint is not None:
+        report = benchmark_checkpoint(checkpoint, **options)
+    else:
+        from .modeling.configuration_nha import NHA_DEFAULTS
+
+        plan = plan_arguments(full_layers, full_layer_ids, select, windows, window, slots,
+                              NHA_DEFAULTS["nha_gate_normalizer"], NHA_DEFAULTS["nha_slot_bias_init"])
+        report = benchmark_random_weights(random_weights, plan, layers=layers, **options)
+    from .bench import plots
+    from .bench.output import write_report
+    from .bench.report import format_report
+
+    typer.echo(format_report(report))
     write_json(json_output, report)
+    if output is not None:
+        written = write_report(report, output)
+        typer.echo("\nwrote " + ", ".join(str(path) for path in written))
+        if not plots.available():
+            typer.echo(plots.MISSING)
 
 
 @app.command()
