@@ -130,7 +130,7 @@ def plan(
     from .conversion.source import read_source_config_dict
     from .plan import plan_table
 
-    config = read_source_config_dict(resolve_model(model, revision=revision, token=token, config_only=True))
+    config = read_source_config_dict(resolve_model(model, revision=revision, token=token, weights=False))
     typer.echo(plan_table(config, **plan_arguments(
         full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init
     )))

@@ -106,10 +106,12 @@ def convert(
     )
     if windows is None:
         build_plan(max(full_layers or 0, 1), **{**plan_args, "full_layer_ids": None, "full_layers": 0})  # early
-    source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
+    # the config first: a model the plan or the family rules out is refused before any weight is downloaded
+    source = resolve_model(model, revision=revision, token=token, weights=False)
     source_config = read_source_config_dict(source)
     plan = build_plan(source_config["num_hidden_layers"], **plan_args)
     model_class, config = nha_config_for(source_config, plan)
+    source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
     checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)
     log(f"plan: {plan.describe()}")
     with atomic_folder(output, overwrite) as tmp:

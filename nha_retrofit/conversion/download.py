@@ -26,15 +26,16 @@ TOKENIZER_FILES = (
 )
 
 
-def cached_snapshot(repo_id: str, cache: Path, revision: str | None, config_only: bool) -> Path | None:
-    """The cached snapshot of `repo_id` at `revision` (default: main) if it holds what is needed; no network."""
+def cached_snapshot(repo_id: str, cache: Path, revision: str | None, weights: bool) -> Path | None:
+    """The cached snapshot of `repo_id` at `revision` (default: main) if it holds what is needed (the weights too
+    with `weights`); no network."""
     from huggingface_hub import try_to_load_from_cache
 
     config = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
     if not isinstance(config, str):
         return None
     folder = Path(config).parent
-    return folder if config_only or has_all_weights(folder) else None
+    return folder if not weights or has_all_weights(folder) else None
 
 
 def has_all_weights(folder: Path) -> bool:
@@ -54,9 +55,10 @@ def index_shards(index: Path) -> list[str]:
         return []
 
 
-def download_snapshot(repo_id: str, cache: Path, revision: str | None, token: str | None, *, config_only: bool,
+def download_snapshot(repo_id: str, cache: Path, revision: str | None, token: str | None, *, weights: bool,
                       allow_pickle: bool) -> Path:
-    """Download into `cache` what conversion reads of `repo_id` (only config.json with `config_only`); its folder."""
+    """Download into `cache` what conversion reads of `repo_id` (without `weights`: the config, tokenizer and
+    generation files alone); its folder."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
     where = dict(revision=revision, token=token, cache_dir=cache)
@@ -69,16 +71,18 @@ def download_snapshot(repo_id: str, cache: Path, revision: str | None, token: st
                 f"'{repo_id}' on the Hub has no config.json: it is not a transformers checkpoint (files: "
                 f"{', '.join(sorted(files)[:8]) or 'none'})"
             )
-        index, single = (None, []) if config_only else weights_to_fetch(repo_id, files, allow_pickle)
+        index, single = weights_to_fetch(repo_id, files, allow_pickle) if weights else (None, [])
         fetching = True
         # config.json alone first: a gated or private repository refuses it before any progress bar is drawn
         folder = Path(hf_hub_download(repo_id, "config.json", **where)).parent
-        if not config_only:
-            small = [name for name in (index, *TOKENIZER_FILES) if name in files]
-            # from the commit config.json came from, even if the branch has moved since
-            snapshot_download(repo_id, allow_patterns=small, **{**where, "revision": folder.name})
-            shards = index_shards(folder / index) if index else single
-            snapshot_download(repo_id, allow_patterns=shards, **{**where, "revision": folder.name})
+        # the rest from the commit config.json came from, even if the branch has moved since
+        at_commit = {**where, "revision": folder.name}
+        small = [name for name in (index, *TOKENIZER_FILES) if name in files]
+        if small:
+            snapshot_download(repo_id, allow_patterns=small, **at_commit)
+        shards = (index_shards(folder / index) if index else single) if weights else []
+        if shards:
+            snapshot_download(repo_id, allow_patterns=shards, **at_commit)
     except NHARetrofitError:
         raise
     except Exception as error:
@@ -101,8 +105,8 @@ def weights_to_fetch(repo_id: str, files: set[str], allow_pickle: bool) -> tuple
                                f"or pickles)")
     if not allow_pickle:
         raise NHARetrofitError(
-            f"'{repo_id}' on the Hub has only pickle weights (.bin/.pt), which can run code when loaded; nothing was "
-            "downloaded: pass --allow-pickle to download them and load them with torch.load(weights_only=True)"
+            f"'{repo_id}' on the Hub has only pickle weights (.bin/.pt), which can run code when loaded; no weights "
+            "were downloaded: pass --allow-pickle to download them and load them with torch.load(weights_only=True)"
         )
     return (PICKLE_INDEX, []) if PICKLE_INDEX in files else (None, pickles)
 

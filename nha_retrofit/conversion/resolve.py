@@ -64,13 +64,14 @@ def hf_hub_cache() -> Path:
 
 
 def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, revision: str | None = None,
-                  token: str | None = None, allow_pickle: bool = False, config_only: bool = False) -> Path:
+                  token: str | None = None, allow_pickle: bool = False, weights: bool = True) -> Path:
     """Return a local folder with config.json, weights and tokenizer files for ``name_or_path``.
 
     ``cache_dir`` replaces ``cache_root()`` for embedded models (which land in ``<cache_dir>/models/<name>``);
     Hub ids come from the Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``), downloaded into it when missing:
     at ``revision`` (a branch, tag or commit; default main) with ``token`` (default: ``HF_TOKEN`` or
-    ``hf auth login``), pickle weights only with ``allow_pickle``, and only config.json with ``config_only``.
+    ``hf auth login``), pickle weights only with ``allow_pickle``; without ``weights`` only the config, tokenizer
+    and generation files (planning, a dry run, checking a model before its weights are fetched).
     """
     text = str(name_or_path)
     if text.lower() in EMBEDDED_MODELS:
@@ -84,7 +85,7 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, revision:
     if path.exists():
         raise NHARetrofitError(f"'{text}' is a file; pass the folder that holds config.json and the weights")
     if _is_hub_id(text):
-        return _from_hub(text, revision, token, allow_pickle, config_only)
+        return _from_hub(text, revision, token, allow_pickle, weights)
     raise NHARetrofitError(
         f"cannot resolve model '{text}': pass a local folder with config.json, a Hugging Face Hub id 'org/name', "
         f"or an embedded model: {', '.join(sorted(EMBEDDED_MODELS))}"
@@ -114,12 +115,12 @@ def _checked_folder(folder: Path, what: str) -> Path:
     return folder
 
 
-def _from_hub(repo_id: str, revision: str | None, token: str | None, allow_pickle: bool, config_only: bool) -> Path:
+def _from_hub(repo_id: str, revision: str | None, token: str | None, allow_pickle: bool, weights: bool) -> Path:
     from .download import cached_snapshot, download_snapshot
 
     cache = hf_hub_cache()
-    folder = cached_snapshot(repo_id, cache, revision, config_only) or download_snapshot(
-        repo_id, cache, revision, token, config_only=config_only, allow_pickle=allow_pickle
+    folder = cached_snapshot(repo_id, cache, revision, weights) or download_snapshot(
+        repo_id, cache, revision, token, weights=weights, allow_pickle=allow_pickle
     )
     return _checked_folder(folder, f"snapshot of '{repo_id}'")
 

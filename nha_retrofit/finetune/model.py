@@ -15,23 +15,25 @@ from .recipe import ModelSection, TrainSection
 
 @dataclass
 class ModelSource:
-    folder: Path  # the checkpoint folder read (converted NHA, or the original)
+    folder: Path  # the checkpoint folder read (converted NHA, or the original): its config and tokenizer
     converted: bool  # True when folder already is an NHA checkpoint
     original: str  # what the user named as the original model (for the export record)
     original_path: Path | None
     plan: object = None  # LayerPlan when converting on the fly
     record: dict | None = None  # the conversion record of a converted checkpoint
+    spec: ModelSection | None = None  # the recipe's model section (its weights are resolved when loading)
 
 
 def resolve_source(spec: ModelSection) -> ModelSource:
-    """Decide how to obtain the NHA model, reading only config files."""
+    """Decide how to obtain the NHA model, reading only config and tokenizer files (a Hub id's weights are not
+    downloaded for a dry run: `load_model` fetches them)."""
     from ..conversion.converter import CONVERSION_RECORD
     from ..conversion.resolve import resolve_model
     from ..conversion.source import read_source_config_dict
     from ..plan import build_plan
     from .recipe import ConvertSection
 
-    folder = resolve_model(spec.path, revision=spec.revision)
+    folder = resolve_model(spec.path, revision=spec.revision, weights=False)
     try:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
     except (OSError, ValueError) as error:
@@ -45,7 +47,7 @@ def resolve_source(spec: ModelSection) -> ModelSource:
         record = json.loads(record_path.read_text()) if record_path.is_file() else None
         original_path = Path(record["source_path"]) if record and record.get("source_path") else None
         original = record.get("source", str(original_path)) if record else "unknown"
-        return ModelSource(folder, True, original, original_path, None, record)
+        return ModelSource(folder, True, original, original_path, None, record, spec)
     config = read_source_config_dict(folder)
     c = spec.convert or ConvertSection()
     plan = build_plan(
@@ -53,7 +55,7 @@ def resolve_source(spec: ModelSection) -> ModelSource:
         full_layer_ids=c.full_layer_ids, window=c.window, slots=c.slots, gate_normalizer=c.gate_normalizer,
         slot_bias_init=c.slot_bias_init,
     )
-    return ModelSource(folder, False, spec.path, folder, plan, None)
+    return ModelSource(folder, False, spec.path, folder, plan, None, spec)
 
 
 def _model_class_and_config(source: ModelSource):
@@ -79,11 +81,13 @@ def model_config(source: ModelSource):
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     """The NHA model in `dtype` on the CPU (accelerate moves it)."""
     from ..conversion.converter import build_nha_model
+    from ..conversion.resolve import resolve_model
     from ..eval.compare import load_nha_checkpoint
 
+    folder = source.folder if source.spec is None else resolve_model(source.spec.path, revision=source.spec.revision)
     if source.converted:
-        return load_nha_checkpoint(source.folder, dtype=dtype)
-    model = build_nha_model(source.folder, source.plan)
+        return load_nha_checkpoint(folder, dtype=dtype)
+    model = build_nha_model(folder, source.plan)
     for param in model.parameters():  # buffers (RoPE frequencies) stay as transformers made them, in fp32
         param.data = param.data.to(dtype)
     return model

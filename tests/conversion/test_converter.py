@@ -154,6 +154,10 @@ def test_convert_a_hub_id_from_the_local_hf_cache(tiny_llama_folder, tmp_path, m
     code, output = cli("convert", "meta-llama/Meta-Llama-3-8B", "--output", tmp_path / "out", "--full-layers", "1")
     assert code == 0, output
     assert json.loads((tmp_path / "out" / "nha_conversion.json").read_text())["source"] == "meta-llama/Meta-Llama-3-8B"
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # a model not cached, and no Hub to download it from
     code, output = cli("convert", "meta-llama/Meta-Llama-3-70B", "--output", tmp_path / "out2")
-    assert code == 1 and "not in the local Hugging Face cache" in output
+    assert code == 1 and "HF_HUB_OFFLINE is set" in output and len(output.splitlines()) == 1
+    assert not (tmp_path / "out2").exists()
 

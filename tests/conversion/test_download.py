@@ -44,6 +44,8 @@ def hub(sources, monkeypatch, tmp_path):
         hub.add_repo("org/pickles", {"config.json": (sources["tiny"] / "config.json").read_bytes(),
                                      "pytorch_model.bin": b"pickle"})
         hub.add_repo("org/no-config", {"README.md": b"# not a model\n"})
+        gpt2 = dict(json.loads((sources["tiny"] / "config.json").read_text()), model_type="gpt2")
+        hub.add_repo("org/gpt2", {**serve_tree(sources["tiny"]), "config.json": json.dumps(gpt2).encode()})
         use_local_hub(hub, monkeypatch, tmp_path / "hf")
         yield hub
 
@@ -85,10 +87,18 @@ def test_convert_downloads_only_what_conversion_reads(hub, sources, tmp_path):
     assert hub.requests == []
 
 
-def test_plan_downloads_only_the_config(hub):
+def test_plan_downloads_no_weights(hub):
+    """`plan` (and a finetuning dry run, and the check before a conversion's download) fetch the config, tokenizer
+    and generation files alone."""
     code, output = cli("plan", "org/tiny", "--full-layers", "1")
     assert code == 0 and "nha" in output.lower()
-    assert fetched(hub) == ["config.json"]
+    assert "config.json" in fetched(hub) and not [name for name in fetched(hub) if "safetensors" in name]
+
+
+def test_an_unsupported_family_is_refused_before_its_weights_are_fetched(hub, tmp_path):
+    code, output = cli("convert", "org/gpt2", "-o", tmp_path / "out", "--full-layers", "1")
+    assert code == 1 and output.splitlines()[-1].startswith("error: unsupported architecture gpt2"), output
+    assert not [name for name in fetched(hub) if "safetensors" in name] and not (tmp_path / "out").exists()
 
 
 def test_revision_and_token(hub, sources, tmp_path):
@@ -110,7 +120,7 @@ def test_revision_and_token(hub, sources, tmp_path):
     (["org/tiny", "--revision", "v9"], None, "'org/tiny' has no revision 'v9' on the Hub"),
     (["org/tiny", "--token", "hf_unknown"], None, "the Hub refused the token (--token, HF_TOKEN or `hf auth login`)"),
     (["org/pickles"], None, "'org/pickles' on the Hub has only pickle weights (.bin/.pt), which can run code when "
-                            "loaded; nothing was downloaded: pass --allow-pickle"),
+                            "loaded; no weights were downloaded: pass --allow-pickle"),
     (["org/no-config"], None, "'org/no-config' on the Hub has no config.json: it is not a transformers checkpoint"),
 ])
 def test_failures_are_one_line(hub, monkeypatch, tmp_path, args, token, message):

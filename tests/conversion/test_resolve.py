@@ -83,11 +83,11 @@ def test_hub_id_from_local_cache(tmp_path, monkeypatch, no_network, variable):
     assert resolve_model("some-org/Some-Model-1B") == snapshot
 
 
-def test_hub_id_revision_and_config_only_from_local_cache(tmp_path, monkeypatch, no_network):
+def test_hub_id_revision_and_config_without_weights_from_local_cache(tmp_path, monkeypatch, no_network):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     main = _fake_hf_cache(tmp_path, "org/name", files=("config.json",))
     v2 = _fake_hf_cache(tmp_path, "org/name", branch="v2")
-    assert resolve_model("org/name", config_only=True) == main  # `plan` needs only the config
+    assert resolve_model("org/name", weights=False) == main  # `plan` needs only the config
     assert resolve_model("org/name", revision="v2") == v2
     assert resolve_model("org/name", revision=v2.name) == v2
 
