@@ -173,6 +173,7 @@ def test_hub_failures_become_user_errors(family, failure, message):
     assert hub.calls == []
 
 
+@pytest.mark.parametrize("family", ["llama3"], indirect=True)  # (the client's behaviour, not the family's)
 def test_offline_push_in_a_fresh_process_is_one_line(family):
     _, _, _, out = family
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_not_a_real_token"}
