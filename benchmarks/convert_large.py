@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from nha_retrofit.bench.random_weights import NAMED_CONFIGS  # noqa: E402
+
 LLAMA3_8B = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -49,14 +52,7 @@ def llama_tensors(config):
     yield "lm_head.weight", (v, h)
 
 
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
-    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
-    rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=151643,
-    eos_token_id=151643, attention_bias=False,
-)
+QWEN3_30B_A3B = NAMED_CONFIGS["qwen3-30b-a3b"]  # the published config, as `bench --random-weights` takes it
 
 
 def qwen3_moe_tensors(config):
