@@ -17,7 +17,6 @@ runs it), written to --out-dir.
 
 import argparse
 import gc
-import json
 import os
 import time
 import traceback

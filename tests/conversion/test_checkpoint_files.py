@@ -1,7 +1,6 @@
 """Shard-wise conversion on the files: layouts, the design card's Hub ids, pickles, damaged checkpoints."""
 
 import json
-import shutil
 
 import pytest
 import torch
