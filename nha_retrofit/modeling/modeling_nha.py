@@ -26,6 +26,20 @@ from .decode_graph import DecodeGraph
 from .nha_cache import NHACache, NHAStaticCache, StaticFullLayer
 
 
+def operator_inputs(*tensors):
+    """The operator's inputs in one dtype, as SDPA computes them: under autocast its dtype; otherwise the widest.
+    Under autocast, q and k leave an fp32-weighted norm (Qwen3's q_norm/k_norm during training) in fp32 while v
+    leaves its projection in bf16; mixed dtypes would send the operator to its PyTorch form."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = tensors[0].dtype
+        for tensor in tensors[1:]:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return tuple(tensor.to(dtype) for tensor in tensors)
+
+
 class NHAAttentionMixin:
     """Adds NHA to a family's attention module (mixed in before the original class)."""
 
@@ -73,6 +87,7 @@ class NHAAttentionMixin:
         q, k, v = self.project_qkv(hidden_states)
         cos, sin = position_embeddings
         q_rope, k_rope = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
+        q, k, v, q_rope, k_rope = operator_inputs(q, k, v, q_rope, k_rope)
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         slot_bias = self.slot_bias if self.slot_reads else torch.full_like(self.slot_bias, float("-inf"))
         out, state = nha_operator(

@@ -143,3 +143,30 @@ def test_attention_transfer_loss_is_the_mse_to_the_full_attention_output():
         nha(ids, use_cache=False)
     # a full layer computes nothing to transfer
     assert nha.model.layers[1].self_attn.transfer_loss is None
+
+
+def test_operator_gets_one_dtype_under_autocast_with_fp32_qk_norms(tmp_path, monkeypatch):
+    """Training keeps norms in fp32 and autocasts the projections: Qwen3's q_norm/k_norm then give fp32 q and k
+    beside a bf16 v. The operator must see one dtype (the autocast one, as SDPA does), or the Triton kernels are
+    skipped for the PyTorch form."""
+    from nha_retrofit.conversion.converter import build_nha_model
+    from nha_retrofit.modeling import modeling_nha
+    from nha_retrofit.plan import build_plan
+    from tiny_models import tiny_family_model
+
+    tiny_family_model("qwen3_moe").save_pretrained(tmp_path / "source")
+    model = build_nha_model(tmp_path / "source", build_plan(6, full_layers=1, window=4, slots=16))
+    seen = []
+
+    def recording(q, k, v, q_rope, k_rope, *args):
+        seen.append({t.dtype for t in (q, k, v, q_rope, k_rope)})
+        return operator(q, k, v, q_rope, k_rope, *args)
+
+    operator = modeling_nha.nha_operator
+    monkeypatch.setattr(modeling_nha, "nha_operator", recording)
+    ids = torch.randint(3, 1000, (2, 24))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids).logits
+    assert len(seen) == 5 and all(dtypes == {torch.bfloat16} for dtypes in seen)
+    with torch.no_grad():  # outside autocast, fp32 throughout: the same model within bf16's error
+        assert (model(ids).logits - logits.float()).abs().max() <= 0.1 * logits.float().abs().max()
