@@ -657,8 +657,8 @@ def main(argv=None):
         left = deadline - time.monotonic()
         if left < 30:
             results["parts"][part] = {"not_run": f"no time left in the {args.budget:.0f} s budget"}
-            continue
-        results["parts"][part] = run_part(s, part, min(CAPS[part], left))
+        else:
+            results["parts"][part] = run_part(s, part, min(CAPS[part], left))
         output.write_text(json.dumps(results, indent=2, default=str) + "\n")
         output.with_suffix(".md").write_text(markdown(results))
     log(markdown(results))
