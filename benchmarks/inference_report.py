@@ -139,25 +139,21 @@ def main():
         families = {name: NAMED_CONFIGS[name] for name in args.families.split(",")}
         device, dtype, machine = "cuda", torch.bfloat16, torch.cuda.get_device_name().split()[-1].lower()
     ints = lambda text: [int(x) for x in text.split(",")] if text else None  # noqa: E731
-    reports = {}
-    for name, config in families.items():  # first every family's report, then the slower extras
+    for name, config in families.items():  # each family written as soon as it is measured
         start = time.perf_counter()
         try:
-            reports[name] = run_family(name, config, device, dtype, args.quick, ints(args.contexts),
-                                       ints(args.batch_sizes))
-            write(reports[name], f"inference_{name}_{machine}", results, images)
+            report = run_family(name, config, device, dtype, args.quick, ints(args.contexts), ints(args.batch_sizes))
+            write(report, f"inference_{name}_{machine}", results, images)
+            if name == "llama3-8b" and not args.quick:
+                report = llama_extras(report, not args.no_compile)
+                write(report, f"inference_{name}_{machine}", results, images)
+                print(f"\nNHA prefill at {report['profile']['context']}: {report['profile']['prefill_ms']:.0f} ms\n"
+                      + report["profile"]["by_cuda_time"] + "\n" + report["profile"]["by_host_time"])
         except Exception:  # noqa: BLE001 - one family's failure must not cost the others' measurements
             if args.quick:
                 raise
             traceback.print_exc()
         print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
-    if "llama3-8b" in reports and not args.quick:
-        start = time.perf_counter()
-        report = llama_extras(reports["llama3-8b"], not args.no_compile)
-        write(report, f"inference_llama3-8b_{machine}", results, images)
-        print(f"\nNHA prefill at {report['profile']['context']}: {report['profile']['prefill_ms']:.0f} ms\n"
-              + report["profile"]["by_cuda_time"] + "\n" + report["profile"]["by_host_time"])
-        print(f"== llama3-8b extras: {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def write(report: dict, stem: str, results: Path, images: Path) -> None:
