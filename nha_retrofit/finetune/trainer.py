@@ -294,11 +294,17 @@ class Run:
             self.log(f"trainable parameters: {trainable:,} of {total:,} ({r.train.trainable})")
             self.log(f"memory: projected {plan['memory_per_gpu_gib']['total']} GiB per process "
                      f"({json.dumps(plan['memory_per_gpu_gib'])})")
-        params = [p for p in model.parameters() if p.requires_grad]
+        # two parameter groups: what attention transfer trains (the gates), and what only the LM stage trains
+        gates, rest = [], []
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                (gates if stages.is_gate_parameter(name) else rest).append(param)
+        groups = [{"params": params} for params in (gates, rest) if params]
+        self.lm_only_group = len(groups) - 1 if rest else None
         if r.train.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(params, lr=1.0, betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
+            optimizer = torch.optim.AdamW(groups, lr=1.0, betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
         else:
-            optimizer = torch.optim.SGD(params, lr=1.0, momentum=r.train.betas[0], weight_decay=r.train.weight_decay)
+            optimizer = torch.optim.SGD(groups, lr=1.0, momentum=r.train.betas[0], weight_decay=r.train.weight_decay)
         schedule = lr_lambda(r, self.transfer_steps, self.lm_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         if acc.state.deepspeed_plugin is not None:  # no dataloader is prepared: tell DeepSpeed the batch geometry
@@ -490,6 +496,8 @@ class Run:
         last_saved = run.step if run.step else None
         while run.step < self.total_steps:
             stage = self.stage_at(run.step)
+            if run.step == self.transfer_steps > 0:
+                self._fresh_lm_only_state()
             data_at_start = data.state_dict()
             try:
                 metrics = self.optimizer_step(stage, self.micro_batches())
@@ -526,6 +534,24 @@ class Run:
                     self.log(f"stopped after step {run.step} (train.stop_after_steps); continue with --resume")
                 return
         bar.close()
+
+    def _fresh_lm_only_state(self) -> None:
+        """Before the LM stage's first step under DeepSpeed: Adam starts afresh (step 0) for what only the LM stage
+        trains, as in one process, where those parameters had no gradient and so no state during attention transfer.
+        DeepSpeed keeps flat fp32 tensors per parameter group and steps them through the transfer stage with zero
+        gradients: their moments stay zero but their step count (and so Adam's bias correction) advances. The state
+        whose moments are all zero is what never had a gradient; the two groups keep it apart from the gates'."""
+        from accelerate.utils import DistributedType
+
+        if self.lm_only_group is None or self.acc.distributed_type != DistributedType.DEEPSPEED:
+            return
+        inner = self.optimizer
+        while hasattr(inner, "optimizer"):  # accelerate's wrapper, then DeepSpeed's, around the torch optimizer
+            inner = inner.optimizer
+        for param, state in list(inner.state.items()):
+            moments = [state[key] for key in ("exp_avg", "exp_avg_sq") if key in state]
+            if moments and not any(bool(torch.any(m)) for m in moments):
+                del inner.state[param]
 
     def _stop_non_finite(self, run: RunState, stage: str, what: str, last_saved):
         if last_saved != run.step:
