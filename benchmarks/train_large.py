@@ -52,7 +52,7 @@ NHA_KERNELS = ("_fwd_kernel", "_rows_kernel", "_keys_merged_kernel", "_state_gra
                "_segment_update_kernel", "_chunk_update_kernel", "_chained_scan_kernel", "_alpha_grad_kernel",
                "_keys_kernel", "_keys_da_kernel")
 PARTS = ("convert", "train", "kill", "resume", "export", "moe", "fsdp", "zero3")
-CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 150,
+CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240,
         "zero3": 150}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
 TINY_MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,

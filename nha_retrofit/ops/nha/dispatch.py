@@ -33,26 +33,27 @@ def kernel_scope() -> str:
     return scope
 
 
-def shapes_supported(q, k, v, log_alpha) -> bool:
+def shapes_supported(q, k, v, log_alpha, q_rope=None, k_rope=None) -> bool:
     """Whether the Triton kernels take tensors of these shapes and dtypes (those their GPU tests cover): one dtype of
-    fp32, bf16 or fp16, head dims 64 or 128 with values as wide as keys, 16 to 128 slots (a power of two), query
-    heads a multiple of kv heads. Anything else runs the PyTorch forms."""
+    fp32, bf16 or fp16 for q, k, v and the rotated q, k; head dims 64 or 128 with values as wide as keys, 16 to 128
+    slots (a power of two), query heads a multiple of kv heads. Anything else runs the PyTorch forms."""
     return (
-        q.dtype in (torch.float32, torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+        q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and all(t.dtype == q.dtype for t in (k, v, q_rope, k_rope) if t is not None)
         and q.shape[-1] in (64, 128) and k.shape[-1] == v.shape[-1] == q.shape[-1]
         and log_alpha.shape[-1] in (16, 32, 64, 128) and q.shape[2] % k.shape[2] == 0
     )
 
 
-def _use_kernels(q, k, v, log_alpha, scopes):
+def _use_kernels(q, k, v, q_rope, k_rope, log_alpha, scopes):
     return (KERNELS_AVAILABLE and q.is_cuda and kernel_scope() in scopes
-            and shapes_supported(q, k, v, log_alpha))
+            and shapes_supported(q, k, v, log_alpha, q_rope, k_rope))
 
 
 def nha_attention(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=None, slot_bias=None):
     """NHA over whole sequences (same contract as `nha_reference`), differentiable: the Triton kernels where they
     apply, else the chunked PyTorch form."""
-    if _use_kernels(q, k, v, log_alpha, ("all",)):
+    if _use_kernels(q, k, v, q_rope, k_rope, log_alpha, ("all",)):
         return nha_attention_triton(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias)
     out, _ = nha_chunked(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask, slot_bias)
     return out
@@ -63,11 +64,11 @@ def nha_operator(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, 
     """An NHA layer's operator call: (o, the new state or None). One-token steps with a carried state take the
     recurrent form (the Triton step applies the gate to the logits itself), anything else the chunked form."""
     if state is not None and q.shape[1] == 1:
-        triton_step = window is not None and _use_kernels(q, k, v, gate_logits, ("all", "decode"))
+        triton_step = window is not None and _use_kernels(q, k, v, q_rope, k_rope, gate_logits, ("all", "decode"))
         step = nha_recurrent_step_triton if triton_step else nha_recurrent_step
         return step(q, k, v, q_rope, k_rope, gate_logits, window, scale, state=state, attention_mask=attention_mask,
                     slot_bias=slot_bias, gate_normalizer=gate_normalizer)
     log_alpha = gate_log_alpha(gate_logits, gate_normalizer)
-    chunked = nha_chunked_triton if _use_kernels(q, k, v, log_alpha, ("all",)) else nha_chunked
+    chunked = nha_chunked_triton if _use_kernels(q, k, v, q_rope, k_rope, log_alpha, ("all",)) else nha_chunked
     return chunked(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=attention_mask,
                    slot_bias=slot_bias, initial_state=state, output_final_state=output_state)

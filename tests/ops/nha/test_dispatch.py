@@ -43,6 +43,18 @@ def test_the_kernels_take_the_shapes_their_tests_cover(kwargs, supported):
     assert dispatch.shapes_supported(*shaped(**kwargs)) is supported
 
 
+@pytest.mark.parametrize("rope_dtypes,supported", [
+    ((torch.bfloat16, torch.bfloat16), True), ((torch.float32, torch.bfloat16), False),
+    ((torch.bfloat16, torch.float32), False),
+])
+def test_rotated_queries_and_keys_share_the_dtype_of_q(rope_dtypes, supported):
+    """Mixed dtypes (fp32 rotations of bf16 projections, as autocast leaves them) are not what the kernels' tests
+    cover: they take the PyTorch forms."""
+    q, k, v, log_alpha = shaped()
+    q_rope, k_rope = (torch.empty(t.shape, dtype=dtype) for t, dtype in zip((q, k), rope_dtypes))
+    assert dispatch.shapes_supported(q, k, v, log_alpha, q_rope, k_rope) is supported
+
+
 def test_off_cuda_every_call_takes_the_pytorch_forms():
     """CPU tensors: `nha_attention` is the chunked PyTorch form, differentiable."""
     x = make_inputs(2, 40, 8, 2, 64, 32, dtype=torch.float32, seed=2)
