@@ -300,7 +300,7 @@ class Run:
             if param.requires_grad:
                 (gates if stages.is_gate_parameter(name) else rest).append(param)
         groups = [{"params": params} for params in (gates, rest) if params]
-        self.lm_only_group = len(groups) - 1 if rest else None
+        self.has_lm_only_params = bool(rest)
         if r.train.optimizer == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=1.0, betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
         else:
@@ -543,7 +543,7 @@ class Run:
         whose moments are all zero is what never had a gradient; the two groups keep it apart from the gates'."""
         from accelerate.utils import DistributedType
 
-        if self.lm_only_group is None or self.acc.distributed_type != DistributedType.DEEPSPEED:
+        if not self.has_lm_only_params or self.acc.distributed_type != DistributedType.DEEPSPEED:
             return
         inner = self.optimizer
         while hasattr(inner, "optimizer"):  # accelerate's wrapper, then DeepSpeed's, around the torch optimizer
