@@ -111,6 +111,15 @@ def fp32_except_frozen_matrices(model):
     return model
 
 
+def trainable_in(model, dtype: torch.dtype):
+    """Every trained parameter in `dtype`, for DeepSpeed: it flattens each parameter group into one buffer of one
+    dtype and keeps its own fp32 master copy, while peft makes LoRA weights fp32 beside a bf16 model's gates."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
 def meta_model(source: ModelSource):
     """A weightless copy (parameters on the meta device, buffers such as RoPE frequencies real) for --dry-run and
     export skeletons: no gigabytes read."""

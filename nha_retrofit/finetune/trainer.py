@@ -26,7 +26,7 @@ from . import stages
 from .data import load_blocks
 from .memory import GIB, project_memory
 from .model import (count_parameters, fp32_except_frozen_matrices, frozen_matrices, load_model, meta_model,
-                    model_config, resolve_source, select_trainable)
+                    model_config, resolve_source, select_trainable, trainable_in)
 from .recipe import Recipe, load_recipe
 
 CHECKPOINTS = "checkpoints"
@@ -286,7 +286,9 @@ class Run:
         if r.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = select_trainable(model, r.train)
-        if self.sharding != "zero3":  # DeepSpeed keeps its own fp32 master copy of the partitioned weights
+        if self.sharding == "zero3":  # DeepSpeed keeps its own fp32 master copy of the partitioned weights
+            model = trainable_in(model, compute_dtype)
+        else:
             model = fp32_except_frozen_matrices(model)
         trainable, total = count_parameters(model)
         plan["memory_per_gpu_gib"] = self.project_memory(model, acc.num_processes, self.sharding)

@@ -115,6 +115,25 @@ def test_teacher_is_the_original_model(world, trainable):
     assert [m.window for m in model.modules() if hasattr(m, "g_proj")] == [4, None, 4, 4]
 
 
+def test_zero3_trains_parameters_of_one_dtype(world):
+    """DeepSpeed flattens each parameter group into one buffer of one dtype: peft's fp32 LoRA weights beside a bf16
+    model's gates must be cast to the compute dtype, the frozen weights left as loaded."""
+    from nha_retrofit.finetune.model import load_model, resolve_source, select_trainable, trainable_in
+
+    model_path, data = world
+    spec = load_recipe(tiny_recipe(model_path, data, "unused", train={"trainable": "lora"}))
+    model = select_trainable(load_model(resolve_source(spec.model), torch.bfloat16), spec.train)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert {p.dtype for p in trained.values()} == {torch.float32, torch.bfloat16}  # what DeepSpeed rejects
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    lora = {n: p.detach().clone() for n, p in trained.items() if p.dtype == torch.float32}
+    trainable_in(model, torch.bfloat16)
+    parameters = dict(model.named_parameters())
+    assert {parameters[n].dtype for n in trained} == {torch.bfloat16}
+    assert all(parameters[n].dtype == p.dtype and torch.equal(parameters[n], p) for n, p in frozen.items())
+    assert all(torch.equal(parameters[n].float(), p.bfloat16().float()) for n, p in lora.items())
+
+
 @pytest.mark.parametrize("student_first", [True, False])
 @pytest.mark.parametrize("wrapper", ["none", "accelerate"])
 def test_teacher_and_student_share_one_autocast_region(world, student_first, wrapper):
