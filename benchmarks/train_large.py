@@ -53,7 +53,7 @@ NHA_KERNELS = ("_fwd_kernel", "_rows_kernel", "_keys_merged_kernel", "_state_gra
                "_keys_kernel", "_keys_da_kernel")
 PARTS = ("convert", "train", "kill", "resume", "export", "moe", "fsdp", "zero3")
 CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240,
-        "zero3": 150}
+        "zero3": 330}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
 TINY_MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
@@ -464,9 +464,10 @@ def part_launched_steps(s: Settings, recipe: Path, overrides: list[str]) -> dict
 
     run = Run(load_recipe(recipe, overrides), overwrite=True, log=log)
     start = time.perf_counter()
-    run.setup()
+    state = run.setup()
+    # the projection made before accelerate's prepare: ZeRO-3 partitions the weights into empty tensors
     result = {"setup_s": round(time.perf_counter() - start, 1), "sharding": run.sharding,
-              "projected_gib": run.project_memory(run.unwrapped, run.acc.num_processes, run.sharding)}
+              "projected_gib": state.summary["plan"]["memory_per_gpu_gib"]}
     result["steps"] = [measure_steps(run, run.recipe.data.seq_len, False)]
     if torch.cuda.is_available():
         result["peak_gib"] = gib(torch.cuda.max_memory_allocated())
@@ -477,8 +478,9 @@ def launch(s: Settings, config: str, part: str) -> dict:
     result_file = s.path(f"{part}-launched.json")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "1",
                __file__, "part", f"{part}-steps", *s.argv, "--result", str(result_file)]
-    with open(s.path(f"{part}.log"), "w") as output:
-        subprocess.run(command, env=child_env(), stdout=output, stderr=subprocess.STDOUT, check=True)
+    launched = subprocess.run(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if launched.returncode != 0:
+        raise RuntimeError(f"accelerate launch exited with {launched.returncode}:\n{launched.stdout[-2500:]}")
     return json.loads(result_file.read_text())
 
 
@@ -497,6 +499,7 @@ def part_zero3(s: Settings) -> dict:
         return {"not_run": "DeepSpeed ZeRO-3 needs a GPU here"}
     config = str(ROOT / "recipes" / "accelerate" / "deepspeed_zero3.yaml")
     source, converted = s.path("qwen3-moe-shape"), s.path("qwen3-moe-nha")
+    shutil.rmtree(converted, ignore_errors=True)  # a failed earlier sitting's
     write_source(source, s.moe_config(), s.tokenizers / "qwen3_moe", s.device)
     run_cli(["convert", str(source), "--full-layers", str(s.moe_full_layers()), "-o", str(converted)], env=child_env())
     shutil.rmtree(source)  # ZeRO-3 partitions weights as they load: it trains a converted checkpoint
@@ -569,11 +572,23 @@ def markdown(results: dict) -> str:
             lines += [f"| {part}: model | context | tokens/s | vs original | NHA kernels | SDPA | matmul | peak GiB |",
                       "|---|---|---|---|---|---|---|---|"]
             for r in rows:
-                p = r.get("profile", {})
+                p = r.get("profile")
+                shares = (" | ".join(f"{p.get(k, 0):.1%}" for k in ("nha_share", "sdpa_share", "matmul_share")) if p
+                          else "not profiled | | ")
                 lines.append(f"| {r['model']} | {r['context']} | {r['tokens_per_s']:,} | {r.get('vs_original', '')} | "
-                             f"{p.get('nha_share', 0):.1%} | {p.get('sdpa_share', 0):.1%} | "
-                             f"{p.get('matmul_share', 0):.1%} | {r.get('peak_gib', '')} |")
+                             f"{shares} | {r.get('peak_gib', '')} |")
             lines.append("")
+    launched = [(name, results["parts"][name]) for name in ("fsdp", "zero3") if "steps" in results["parts"].get(name, {})]
+    if launched:
+        lines += ["| under accelerate launch, one GPU | recipe | tokens/s | peak GiB (projected) | NHA kernels | matmul |",
+                  "|---|---|---|---|---|---|"]
+        for name, part in launched:
+            step, recipe = part["steps"][0], "8B" if name == "fsdp" else "MoE"
+            p = step.get("profile", {})
+            lines.append(f"| {name} | {recipe}, {step['context']} | {step['tokens_per_s']:,} | {part.get('peak_gib')} "
+                         f"({part['projected_gib']['total']}) | {p.get('nha_share', 0):.1%} | "
+                         f"{p.get('matmul_share', 0):.1%} |")
+        lines.append("")
     resume, export = results["parts"].get("resume", {}), results["parts"].get("export", {})
     if "resume_s" in resume:
         lines += [f"Resume after SIGKILL: step {resume['first_step_after_resume']} loss {resume['loss_resumed']} vs "
