@@ -2,7 +2,7 @@
 process (on CPUs accelerate counts one process under DeepSpeed whatever it launches, so one is what runs here): the
 dry-run reports the sharding; a LoRA run with attention transfer and distillation, stopped after the transfer stage
 and resumed from DeepSpeed's checkpoint, has the loss curve of one process without DeepSpeed, and the export
-gathered from the partitions equals that process's export."""
+gathered from the partitions equals that process's export; a bf16 checkpoint trains LoRA in bf16."""
 
 import json
 import os
@@ -56,3 +56,22 @@ def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_pa
     exported = load_file(tmp_path / "zero3" / "model" / "model.safetensors")
     assert set(reference) == set(exported)
     assert max((reference[k] - exported[k]).abs().max().item() for k in reference) < 1e-5
+
+
+def test_zero3_trains_lora_on_a_bf16_checkpoint(tmp_path):
+    """bf16 weights, bf16 compute: peft's fp32 LoRA weights beside the bf16 gates would fail DeepSpeed's one-dtype
+    check on flattening a parameter group; the run trains both stages and exports bf16 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    data, original = write_corpus(tmp_path / "data"), write_tiny_original(tmp_path / "orig")
+    AutoModelForCausalLM.from_pretrained(original, dtype=torch.bfloat16).save_pretrained(original)
+    model = convert(original, tmp_path / "nha", full_layers=1, window=4, slots=4, log=lambda *_: None)
+    sections = dict(model={"convert": None}, train={"trainable": "lora", "lora": {"r": 2}, "precision": "bf16"})
+    recipe = save_recipe(tiny_recipe(model, data, tmp_path / "zero3", **sections), tmp_path / "zero3.yaml")
+    launch_zero3(str(recipe))
+
+    losses = curve(tmp_path / "zero3")
+    assert {c[1] for c in losses} == {"attention_transfer", "lm"} and all(0 < c[2] < 20 for c in losses)
+    exported = load_file(tmp_path / "zero3" / "model" / "model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
