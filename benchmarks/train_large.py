@@ -21,6 +21,8 @@ Parts, each a child process under a time cap (a failure is recorded and the rest
   --moe-layers layers (the full 61 GB checkpoint does not fit the GPU machine's disk beside the rest), side by
   side with its original at 2K;
 - fsdp: the 8B recipe under `accelerate launch --config_file recipes/accelerate/fsdp.yaml` on one GPU, a few steps;
+- scaling: the same on every visible GPU (where there are several): tokens/s of all processes against the fsdp
+  part's one-GPU rate times their number;
 - zero3: the MoE recipe under recipes/accelerate/deepspeed_zero3.yaml (`--dry-run`, then a few steps), where
   deepspeed is installed.
 Writes benchmarks/results/train_large_<gpu>.json and .md (quick: into --workdir).
@@ -51,8 +53,8 @@ CARRIED = ROOT / ".device" / "train_large"
 NHA_KERNELS = ("_fwd_kernel", "_rows_kernel", "_keys_merged_kernel", "_state_grad_kernel", "_dq_kernel", "_dkv_kernel",
                "_segment_update_kernel", "_chunk_update_kernel", "_chained_scan_kernel", "_alpha_grad_kernel",
                "_keys_kernel", "_keys_da_kernel")
-PARTS = ("convert", "train", "kill", "resume", "export", "moe", "fsdp", "zero3")
-CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240,
+PARTS = ("convert", "train", "kill", "resume", "export", "moe", "fsdp", "scaling", "zero3")
+CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240, "scaling": 300,
         "zero3": 330}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
 TINY_MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -469,15 +471,17 @@ def part_launched_steps(s: Settings, recipe: Path, overrides: list[str]) -> dict
     result = {"setup_s": round(time.perf_counter() - start, 1), "sharding": run.sharding,
               "projected_gib": state.summary["plan"]["memory_per_gpu_gib"]}
     result["steps"] = [measure_steps(run, run.recipe.data.seq_len, False)]
+    result["processes"] = run.acc.num_processes  # each process times its own share of tokens
+    result["tokens_per_s_all_processes"] = result["steps"][0]["tokens_per_s"] * run.acc.num_processes
     if torch.cuda.is_available():
         result["peak_gib"] = gib(torch.cuda.max_memory_allocated())
     return result
 
 
-def launch(s: Settings, config: str, part: str) -> dict:
+def launch(s: Settings, config: str, part: str, processes: int = 1) -> dict:
     result_file = s.path(f"{part}-launched.json")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "1",
-               __file__, "part", f"{part}-steps", *s.argv, "--result", str(result_file)]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes",
+               str(processes), __file__, "part", f"{part}-steps", *s.argv, "--result", str(result_file)]
     launched = subprocess.run(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if launched.returncode != 0:
         raise RuntimeError(f"accelerate launch exited with {launched.returncode}:\n{launched.stdout[-2500:]}")
@@ -490,6 +494,14 @@ def part_fsdp(s: Settings) -> dict:
                            "processes"}
     ensure_converted(s)
     return launch(s, str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "fsdp")
+
+
+def part_scaling(s: Settings) -> dict:
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return {"not_run": f"{gpus} GPU visible: scaling needs several"}
+    ensure_converted(s)
+    return launch(s, str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "scaling", processes=gpus)
 
 
 def part_zero3(s: Settings) -> dict:
@@ -514,7 +526,8 @@ def part_zero3(s: Settings) -> dict:
 
 
 PART_FUNCTIONS = {"convert": part_convert, "train": part_train, "kill": part_kill, "resume": part_resume,
-                  "export": part_export, "moe": part_moe, "fsdp": part_fsdp, "zero3": part_zero3}
+                  "export": part_export, "moe": part_moe, "fsdp": part_fsdp, "scaling": part_scaling,
+                  "zero3": part_zero3}
 
 
 # ---------------------------------------------------------------------------------------------------- driver
@@ -578,17 +591,23 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['model']} | {r['context']} | {r['tokens_per_s']:,} | {r.get('vs_original', '')} | "
                              f"{shares} | {r.get('peak_gib', '')} |")
             lines.append("")
-    launched = [(name, results["parts"][name]) for name in ("fsdp", "zero3") if "steps" in results["parts"].get(name, {})]
+    parts = results["parts"]
+    launched = [(name, parts[name]) for name in ("fsdp", "scaling", "zero3") if "steps" in parts.get(name, {})]
     if launched:
-        lines += ["| under accelerate launch, one GPU | recipe | tokens/s | peak GiB (projected) | NHA kernels | matmul |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| under accelerate launch | GPUs | recipe | tokens/s, all GPUs | peak GiB per GPU (projected) | "
+                  "NHA kernels | matmul |", "|---|---|---|---|---|---|---|"]
         for name, part in launched:
-            step, recipe = part["steps"][0], "8B" if name == "fsdp" else "MoE"
+            step, recipe = part["steps"][0], "MoE" if name == "zero3" else "8B"
             p = step.get("profile", {})
-            lines.append(f"| {name} | {recipe}, {step['context']} | {step['tokens_per_s']:,} | {part.get('peak_gib')} "
+            lines.append(f"| {name} | {part.get('processes', 1)} | {recipe}, {step['context']} | "
+                         f"{part.get('tokens_per_s_all_processes', step['tokens_per_s']):,} | {part.get('peak_gib')} "
                          f"({part['projected_gib']['total']}) | {p.get('nha_share', 0):.1%} | "
                          f"{p.get('matmul_share', 0):.1%} |")
         lines.append("")
+    if "steps" in parts.get("scaling", {}) and "steps" in parts.get("fsdp", {}):
+        gpus, one = parts["scaling"]["processes"], parts["fsdp"]["steps"][0]["tokens_per_s"]
+        efficiency = parts["scaling"]["tokens_per_s_all_processes"] / (gpus * one)
+        lines += [f"Scaling efficiency on {gpus} GPUs: {efficiency:.1%} of {gpus} x the one-GPU rate ({one:,}).", ""]
     resume, export = results["parts"].get("resume", {}), results["parts"].get("export", {})
     if "resume_s" in resume:
         lines += [f"Resume after SIGKILL: step {resume['first_step_after_resume']} loss {resume['loss_resumed']} vs "
@@ -677,9 +696,10 @@ def main(argv=None):
     if args.command == "part":
         name = args.name
         if name.endswith("-steps"):
-            recipe = LLAMA_RECIPE if name == "fsdp-steps" else MOE_RECIPE
-            overrides = (s.llama_overrides(s.path("run-fsdp"), export=False, checkpoint_every=0)
-                         if name == "fsdp-steps" else s.moe_overrides(s.path("run-zero3"), converted=True))
+            llama = name in ("fsdp-steps", "scaling-steps")
+            recipe = LLAMA_RECIPE if llama else MOE_RECIPE
+            overrides = (s.llama_overrides(s.path(f"run-{name}"), export=False, checkpoint_every=0) if llama
+                         else s.moe_overrides(s.path("run-zero3"), converted=True))
             result = part_launched_steps(s, recipe, overrides)
             from accelerate import PartialState
 
