@@ -62,7 +62,19 @@ def test_every_part_runs_at_tiny_shapes(tmp_path):
     assert parts["export"]["new_tokens"] == 32 and parts["export"]["class"] == "NHALlamaForCausalLM"
     moe = parts["moe"]
     assert moe["trainable_parameters"] < moe["total_parameters"] / 2 and len(moe["side_by_side"]) == 2
-    assert set(parts["fsdp"]) >= {"not_run"} and set(parts["zero3"]) >= {"not_run"}  # no GPU, no deepspeed here
+    assert all(set(parts[name]) >= {"not_run"} for name in ("fsdp", "scaling", "zero3"))  # GPU parts
     saved = json.loads((tmp_path / "work" / "train_large_quick.json").read_text())
     assert saved["parts"].keys() == parts.keys()
     assert "| NHA | 64 |" in (tmp_path / "work" / "train_large_quick.md").read_text()
+
+
+def test_launched_parts_report_all_processes_and_the_scaling_efficiency():
+    def launched(processes, per_process):
+        step = {"context": 2048, "model": "NHA", "tokens_per_s": per_process, "profile": {"nha_share": 0.1}}
+        return {"steps": [step], "processes": processes, "tokens_per_s_all_processes": processes * per_process,
+                "peak_gib": 40.0, "projected_gib": {"total": 44.0}}
+
+    results = {"machine": "test", "date": "today", "parts": {"fsdp": launched(1, 1000), "scaling": launched(4, 900)}}
+    text = train_large.markdown(results)
+    assert "| scaling | 4 | 8B, 2048 | 3,600 | 40.0 (44.0) | 10.0% |" in text
+    assert "Scaling efficiency on 4 GPUs: 90.0% of 4 x the one-GPU rate (1,000)." in text
