@@ -472,7 +472,6 @@ def part_launched_steps(s: Settings, recipe: Path, overrides: list[str]) -> dict
               "projected_gib": state.summary["plan"]["memory_per_gpu_gib"]}
     result["steps"] = [measure_steps(run, run.recipe.data.seq_len, False)]
     result["processes"] = run.acc.num_processes  # each process times its own share of tokens
-    result["tokens_per_s_all_processes"] = result["steps"][0]["tokens_per_s"] * run.acc.num_processes
     if torch.cuda.is_available():
         result["peak_gib"] = gib(torch.cuda.max_memory_allocated())
     return result
@@ -567,6 +566,15 @@ def run_part(s: Settings, name: str, cap: float) -> dict:
     return result
 
 
+def profile_shares(profile: dict, categories) -> str:
+    return " | ".join(f"{profile.get(f'{c}_share', 0):.1%}" for c in categories)
+
+
+def all_processes_rate(launched: dict) -> int:
+    """Tokens/s of a launched part's processes together (each timed its own share)."""
+    return launched["steps"][0]["tokens_per_s"] * launched.get("processes", 1)
+
+
 def markdown(results: dict) -> str:
     lines = [f"# Training at real size ({results['machine']}, {results['date']})", ""]
     train = results["parts"].get("train", {})
@@ -585,8 +593,7 @@ def markdown(results: dict) -> str:
             lines += [f"| {part}: model | context | tokens/s | vs original | NHA kernels | SDPA | matmul | peak GiB |",
                       "|---|---|---|---|---|---|---|---|"]
             for r in rows:
-                p = r.get("profile")
-                shares = (" | ".join(f"{p.get(k, 0):.1%}" for k in ("nha_share", "sdpa_share", "matmul_share")) if p
+                shares = (profile_shares(r["profile"], ("nha", "sdpa", "matmul")) if r.get("profile")
                           else "not profiled | | ")
                 lines.append(f"| {r['model']} | {r['context']} | {r['tokens_per_s']:,} | {r.get('vs_original', '')} | "
                              f"{shares} | {r.get('peak_gib', '')} |")
@@ -598,15 +605,13 @@ def markdown(results: dict) -> str:
                   "NHA kernels | matmul |", "|---|---|---|---|---|---|---|"]
         for name, part in launched:
             step, recipe = part["steps"][0], "MoE" if name == "zero3" else "8B"
-            p = step.get("profile", {})
             lines.append(f"| {name} | {part.get('processes', 1)} | {recipe}, {step['context']} | "
-                         f"{part.get('tokens_per_s_all_processes', step['tokens_per_s']):,} | {part.get('peak_gib')} "
-                         f"({part['projected_gib']['total']}) | {p.get('nha_share', 0):.1%} | "
-                         f"{p.get('matmul_share', 0):.1%} |")
+                         f"{all_processes_rate(part):,} | {part.get('peak_gib')} ({part['projected_gib']['total']}) | "
+                         f"{profile_shares(step.get('profile', {}), ('nha', 'matmul'))} |")
         lines.append("")
     if "steps" in parts.get("scaling", {}) and "steps" in parts.get("fsdp", {}):
         gpus, one = parts["scaling"]["processes"], parts["fsdp"]["steps"][0]["tokens_per_s"]
-        efficiency = parts["scaling"]["tokens_per_s_all_processes"] / (gpus * one)
+        efficiency = all_processes_rate(parts["scaling"]) / (gpus * one)
         lines += [f"Scaling efficiency on {gpus} GPUs: {efficiency:.1%} of {gpus} x the one-GPU rate ({one:,}).", ""]
     resume, export = results["parts"].get("resume", {}), results["parts"].get("export", {})
     if "resume_s" in resume:

@@ -71,8 +71,7 @@ def test_every_part_runs_at_tiny_shapes(tmp_path):
 def test_launched_parts_report_all_processes_and_the_scaling_efficiency():
     def launched(processes, per_process):
         step = {"context": 2048, "model": "NHA", "tokens_per_s": per_process, "profile": {"nha_share": 0.1}}
-        return {"steps": [step], "processes": processes, "tokens_per_s_all_processes": processes * per_process,
-                "peak_gib": 40.0, "projected_gib": {"total": 44.0}}
+        return {"steps": [step], "processes": processes, "peak_gib": 40.0, "projected_gib": {"total": 44.0}}
 
     results = {"machine": "test", "date": "today", "parts": {"fsdp": launched(1, 1000), "scaling": launched(4, 900)}}
     text = train_large.markdown(results)
