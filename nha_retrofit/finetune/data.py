@@ -23,6 +23,7 @@ import torch
 
 from ..errors import NHARetrofitError
 from .recipe import DataSection
+from .synthetic import MixedBlocks, RecallExercises
 
 STRUCTURED = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _GLOB_CHARS = set("*?[")
@@ -263,6 +264,9 @@ class StreamedBlocks:
 
 
 def load_blocks(spec: DataSection, tokenizer):
-    if spec.dataset:  # a Hub id, or a local dataset folder: streamed either way
-        return StreamedBlocks(spec, tokenizer)
-    return LocalBlocks(spec, tokenizer)
+    # a Hub id, or a local dataset folder: streamed either way
+    blocks = StreamedBlocks(spec, tokenizer) if spec.dataset else LocalBlocks(spec, tokenizer)
+    if spec.synthetic.share > 0:
+        exercises = RecallExercises(tokenizer, spec.seq_len, spec.synthetic.share, spec.synthetic.records, spec.seed)
+        blocks = MixedBlocks(blocks, exercises)
+    return blocks

@@ -42,6 +42,14 @@ class ModelSection:
 
 
 @dataclass
+class SyntheticSection:
+    """Recall exercises mixed into the training blocks (`finetune/synthetic.py`)."""
+
+    share: float = 0.0  # of training blocks turned into an exercise; 0 disables them
+    records: int = 4  # record lines written into an exercise block (some asked back at its end)
+
+
+@dataclass
 class DataSection:
     files: list[str] = field(default_factory=list)  # local files or globs: text (.txt .md .py ...), .jsonl/.json, .parquet
     exclude: list[str] = field(default_factory=list)  # globs removed from `files` (e.g. the held-out texts)
@@ -53,6 +61,7 @@ class DataSection:
     eval_blocks: int = 8  # held-out blocks of seq_len, from documents never trained on
     seed: int = 0  # document split and shuffle order
     shuffle_buffer: int = 10000  # documents in the streaming shuffle buffer (Hub datasets)
+    synthetic: SyntheticSection = field(default_factory=SyntheticSection)
 
 
 @dataclass
@@ -311,6 +320,8 @@ def validate(recipe: Recipe) -> None:
     need(d.seq_len >= 2, "data.seq_len", f"{d.seq_len}: at least 2 tokens")
     need(d.eval_blocks >= 0, "data.eval_blocks", "must be >= 0")
     need(d.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
+    need(0 <= d.synthetic.share <= 1, "data.synthetic.share", "must be in [0, 1]")
+    need(d.synthetic.records >= 1, "data.synthetic.records", "must be >= 1")
     need(t.lr > 0, "train.lr", f"{t.lr}: must be > 0")
     need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)")
