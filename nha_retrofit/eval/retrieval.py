@@ -115,10 +115,12 @@ def check_spec(spec: RetrievalSpec) -> None:
 
 
 class Haystack:
-    """A held-out text tokenized once, with the tokens that start a line (where needles go)."""
+    """A text tokenized once, with the tokens that start a line (where needles go)."""
 
-    def __init__(self, tokenizer, name: str):
-        text = HELDOUT_TEXTS[name]()
+    def __init__(self, tokenizer, name: str, text: str | None = None):
+        """`text`: a text of the user's own (`name` then names it), else the held-out text `name`."""
+        text = HELDOUT_TEXTS[name]() if text is None else text
+        self.name = name
         try:
             encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         except NotImplementedError:
@@ -151,13 +153,13 @@ class Haystack:
 
 @dataclass
 class Sample:
-    """One prompt with its answer: `ids` ends with the `answer_length` tokens of the asked number `value`, whose
-    needle starts at token `needle_start`."""
+    """One prompt with its answer: `ids` ends with the `answer_length` tokens of the asked `value` (a number, or the
+    answer's text), and the needle placed at the asked depth starts at token `needle_start`."""
 
     ids: list[int]
     answer_length: int
     needle_start: int
-    value: int
+    value: int | str
 
 
 def encode_question(tokenizer, task: RetrievalTask, key: str, value: int) -> tuple[list[int], int]:
@@ -167,6 +169,34 @@ def encode_question(tokenizer, task: RetrievalTask, key: str, value: int) -> tup
     number_start = text.rindex(str(value))
     answer_length = sum(1 for _, end in encoded["offset_mapping"] if end > number_start)
     return encoded["input_ids"], answer_length
+
+
+def insert_needles(instruction: list[int], needles: list[list[int]], question: list[int], haystack: Haystack,
+                   length: int, depth: float, rng: random.Random, what: str,
+                   chains: tuple = ()) -> tuple[list[int], int]:
+    """`length` tokens: the instruction, haystack text with the needles at line starts, the question. The first
+    needle goes to the line start nearest to `depth` percent of the haystack, the others to random line starts;
+    the needles of each chain (a list of indices) then take their places in chain order. Returns the ids and where
+    the needle at `depth` starts."""
+    room = length - len(instruction) - sum(map(len, needles)) - len(question)
+    if room < 1:
+        raise NHARetrofitError(f"length {length} is too short for {what}: its instruction, needles and question "
+                               f"alone take {length - room} tokens")
+    text, boundaries = haystack.take(rng, room)
+    target = depth / 100 * room
+    places = [min(boundaries, key=lambda b: (abs(b - target), b))] + [rng.choice(boundaries) for _ in needles[1:]]
+    at_depth = places[0]
+    for chain in chains:
+        for index, place in zip(chain, sorted(places[i] for i in chain)):
+            places[index] = place
+    ids, needle_start, cursor = list(instruction), None, 0
+    for index in sorted(range(len(needles)), key=lambda i: (places[i], i)):
+        ids += text[cursor : places[index]]
+        cursor = places[index]
+        if needle_start is None and places[index] == at_depth:
+            needle_start = len(ids)
+        ids += needles[index]
+    return ids + text[cursor:] + question, needle_start
 
 
 def build_sample(tokenizer, haystack: Haystack, task: RetrievalTask, length: int, depth: float,
@@ -179,24 +209,8 @@ def build_sample(tokenizer, haystack: Haystack, task: RetrievalTask, length: int
     needles = [tokenizer(task.needle.format(key=k, value=v), add_special_tokens=False)["input_ids"]
                for k, v in zip(keys, values)]
     question, answer_length = encode_question(tokenizer, task, keys[asked], values[asked])
-    room = length - len(instruction) - sum(map(len, needles)) - len(question)
-    if room < 1:
-        raise NHARetrofitError(f"length {length} is too short for {task.name}: its instruction, needles and question "
-                               f"alone take {length - room} tokens")
-    text, boundaries = haystack.take(rng, room)
-    target = depth / 100 * room
-    places = {asked: min(boundaries, key=lambda b: (abs(b - target), b))}
-    for index in range(task.needles):
-        if index != asked:
-            places[index] = rng.choice(boundaries)
-    ids, needle_start, cursor = list(instruction), 0, 0
-    for index in sorted(places, key=lambda i: (places[i], i != asked)):
-        ids += text[cursor : places[index]]
-        cursor = places[index]
-        if index == asked:
-            needle_start = len(ids)
-        ids += needles[index]
-    ids += text[cursor:] + question
+    ordered = [needles[asked]] + [needle for index, needle in enumerate(needles) if index != asked]
+    ids, needle_start = insert_needles(instruction, ordered, question, haystack, length, depth, rng, task.name)
     return Sample(ids, answer_length, needle_start, values[asked])
 
 
