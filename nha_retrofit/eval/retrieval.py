@@ -1,5 +1,5 @@
 """Long-context retrieval with no download: passkey retrieval and needle in a haystack (one key, or several keys of
-which one is asked for), over haystacks of the package's local held-out text (`texts.py`).
+which one is asked for), over haystacks of the package's local held-out text (`texts.py`) or a text file.
 
 Each sample is one sequence of exactly `length` tokens: an instruction, haystack text with the needle(s), a question,
 and the answer's digits. The asked needle sits at a depth (the share of the haystack before it), at the line start
@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -71,7 +72,7 @@ RETRIEVAL_TASKS = {
 @dataclass
 class RetrievalSpec:
     """What the retrieval tasks measure: lengths in tokens (None: `default_lengths`), needle depths in percent of
-    the haystack, samples per (length, depth), the haystack's held-out text, the seed."""
+    the haystack, samples per (length, depth), the haystack (a held-out text's name or a text file), the seed."""
 
     lengths: list[int] | None = None
     depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
@@ -110,8 +111,6 @@ def check_spec(spec: RetrievalSpec) -> None:
         raise NHARetrofitError(f"needle depths are percentages from 0 to 100, got {list(spec.depths)}")
     if spec.samples < 1:
         raise NHARetrofitError(f"samples per length and depth must be >= 1, got {spec.samples}")
-    if spec.haystack not in HELDOUT_TEXTS:
-        raise NHARetrofitError(f"unknown haystack text {spec.haystack!r}; choose one of: {', '.join(HELDOUT_TEXTS)}")
 
 
 class Haystack:
@@ -144,11 +143,26 @@ class Haystack:
             piece = self.ids[position : position + count - len(ids)]
             first = bisect.bisect_left(self.line_starts, position)
             last = bisect.bisect_left(self.line_starts, position + len(piece))
-            boundaries += [len(ids) + start - position for start in self.line_starts[first:last]
-                           if len(ids) + start - position > 0]
+            shift = len(ids) - position
+            boundaries += [start + shift for start in self.line_starts[first:last] if start + shift > 0]
             ids += piece
             position = 0
         return ids, boundaries + [count]
+
+
+def open_haystack(tokenizer, haystack: str | Path) -> Haystack:
+    """The named held-out text, or a UTF-8 text file of the user's own (named by its file name)."""
+    if str(haystack) in HELDOUT_TEXTS:
+        return Haystack(tokenizer, str(haystack))
+    path = Path(haystack)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise NHARetrofitError(f"--haystack {path} is neither a held-out text ({', '.join(HELDOUT_TEXTS)}) nor a "
+                               f"readable UTF-8 text file ({type(error).__name__})") from None
+    if text.count("\n") < 2:
+        raise NHARetrofitError(f"--haystack {path} has fewer than 2 lines: needles go at line starts")
+    return Haystack(tokenizer, path.name, text)
 
 
 @dataclass
@@ -171,6 +185,12 @@ def encode_question(tokenizer, task: RetrievalTask, key: str, value: int) -> tup
     return encoded["input_ids"], answer_length
 
 
+def nearest(boundaries: list[int], target: float) -> int:
+    """The boundary nearest to `target` in the ascending `boundaries`, the earlier one of two as near."""
+    after = bisect.bisect_left(boundaries, target)
+    return min(boundaries[max(after - 1, 0) : after + 1], key=lambda b: (abs(b - target), b))
+
+
 def insert_needles(instruction: list[int], needles: list[list[int]], question: list[int], haystack: Haystack,
                    length: int, depth: float, rng: random.Random, what: str,
                    chains: tuple = ()) -> tuple[list[int], int]:
@@ -183,8 +203,7 @@ def insert_needles(instruction: list[int], needles: list[list[int]], question: l
         raise NHARetrofitError(f"length {length} is too short for {what}: its instruction, needles and question "
                                f"alone take {length - room} tokens")
     text, boundaries = haystack.take(rng, room)
-    target = depth / 100 * room
-    places = [min(boundaries, key=lambda b: (abs(b - target), b))] + [rng.choice(boundaries) for _ in needles[1:]]
+    places = [nearest(boundaries, depth / 100 * room)] + [rng.choice(boundaries) for _ in needles[1:]]
     at_depth = places[0]
     for chain in chains:
         for index, place in zip(chain, sorted(places[i] for i in chain)):
@@ -234,7 +253,7 @@ def greedy_exact_matches(model, samples: list[Sample], device) -> list[bool]:
 
 def retrieval_cells(tokenizer, task_names, spec: RetrievalSpec) -> dict:
     """{(task, length, depth): samples} for every cell the tasks measure."""
-    haystack = Haystack(tokenizer, spec.haystack)
+    haystack = open_haystack(tokenizer, spec.haystack)
     return {
         (name, length, depth): build_samples(tokenizer, haystack, RETRIEVAL_TASKS[name], length, depth, spec.samples,
                                              spec.seed)
@@ -262,7 +281,7 @@ def run_retrieval(variants, cells: dict, spec: RetrievalSpec, *, batch_size: int
     return {
         name: {
             "lengths": list(spec.lengths), "depths": list(spec.depths), "samples": spec.samples,
-            "haystack": spec.haystack, "seed": spec.seed,
+            "haystack": Path(spec.haystack).name, "seed": spec.seed,
             "accuracy": {
                 variant: [[sum(hits[variant, name, length, depth]) / spec.samples for depth in spec.depths]
                           for length in spec.lengths]

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import NHARetrofitError
 from .intervals import wilson_interval
 from .needles import GROUPS, SUITE_TASKS, NeedleGroup, Template
-from .retrieval import DEFAULT_DEPTHS, Haystack, Sample, greedy_exact_matches, insert_needles
+from .retrieval import DEFAULT_DEPTHS, Sample, greedy_exact_matches, insert_needles, open_haystack
 
 SUITE_LENGTHS = (1024, 2048, 4096, 8192)
 SUITE_SAMPLES = 20
@@ -112,6 +112,18 @@ def make_prompt(task: str, group: NeedleGroup, length: int, rng: random.Random) 
 
 
 @dataclass
+class SuiteSpec:
+    """What `eval` asks the suite for (`build_suite`'s arguments; lengths None: `retrieval.default_lengths`)."""
+
+    lengths: list[int] | None = None
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    samples: int = SUITE_SAMPLES
+    group: str = "all"
+    haystack: str | None = None
+    seed: int = 0
+
+
+@dataclass
 class Suite:
     """The samples of every (group, task, length, depth) cell, and what they were made of."""
 
@@ -142,17 +154,6 @@ def _encode_cell(tokenizer, prompts: list[Prompt], instructions: dict) -> list[t
     return encoded
 
 
-def read_haystack_file(path) -> str:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise NHARetrofitError(f"--haystack {path} is not a readable UTF-8 text file ({type(error).__name__})") from None
-    if text.count("\n") < 2:
-        raise NHARetrofitError(f"--haystack {path} has fewer than 2 lines: needles go at line starts")
-    return text
-
-
 def check_suite_options(lengths, depths, samples: int, group: str, tasks) -> None:
     if group not in SUITE_GROUPS:
         raise NHARetrofitError(f"unknown suite group {group!r}; choose from {', '.join(SUITE_GROUPS)}")
@@ -171,15 +172,15 @@ def check_suite_options(lengths, depths, samples: int, group: str, tasks) -> Non
 def build_suite(tokenizer, lengths=SUITE_LENGTHS, samples: int = SUITE_SAMPLES, depths=DEFAULT_DEPTHS,
                 group: str = "all", haystack_path=None, seed: int = 0, tasks=SUITE_TASKS) -> Suite:
     """`samples` samples per (group, task, length, depth); `group` `all` builds both groups. `haystack_path`: a text
-    file of the user's own, the haystack of every group instead of the groups' held-out texts."""
+    file of the user's own (or a held-out text's name), the haystack of every group instead of the groups' own."""
     lengths, depths, tasks = list(lengths), list(depths), list(tasks)
     check_suite_options(lengths, depths, samples, group, tasks)
     names = ["tuning", "heldout"] if group == "all" else [group]
     if haystack_path is not None:
-        own = Haystack(tokenizer, Path(haystack_path).name, read_haystack_file(haystack_path))
+        own = open_haystack(tokenizer, haystack_path)
         haystacks = {name: [own] for name in names}
     else:
-        loaded = {text: Haystack(tokenizer, text) for name in names for text in GROUPS[name].haystacks}
+        loaded = {text: open_haystack(tokenizer, text) for name in names for text in GROUPS[name].haystacks}
         haystacks = {name: [loaded[text] for text in GROUPS[name].haystacks] for name in names}
     suite = Suite(lengths, depths, samples, seed, {name: [h.name for h in haystacks[name]] for name in names}, tasks)
     instructions = {}
@@ -251,33 +252,51 @@ def run_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = Fal
                         for (cell, i), match in zip(batch, matches):
                             hits.setdefault((variant, *cell), [None] * suite.samples)[i] = match
                         progress_bar.update()
-    return suite_result(hits, suite, models.names, reference if reference in models.names else None)
+    result = suite_result(hits, suite, models.names)
+    return against_reference(result, reference) if reference in models.names else result
 
 
-def suite_result(hits: dict, suite: Suite, variants: list[str], reference: str | None) -> dict:
-    """The JSON-able result from {(variant, group, task, length, depth): [hit per sample]}."""
+def suite_result(hits: dict, suite: Suite, variants: list[str]) -> dict:
+    """The JSON-able result from {(variant, group, task, length, depth): [hit per sample]}: per group, the
+    accuracy of every model over all its samples (`overall`), and per task, per (length, depth) (`cells`) and per
+    length (`summary`)."""
     groups = {}
     for group, haystacks in suite.haystacks.items():
         tasks = {}
         for task in suite.tasks:
             cells = {v: [[hits[v, group, task, length, depth] for depth in suite.depths] for length in suite.lengths]
                      for v in variants}
-            entry = {
+            tasks[task] = {
                 "cells": {v: [[accuracy_stat(h) for h in row] for row in rows] for v, rows in cells.items()},
                 "summary": {v: [accuracy_stat(sum(row, [])) for row in rows] for v, rows in cells.items()},
             }
-            if reference is not None:
-                base = [stat["accuracy"] for stat in entry["summary"][reference]]
-                entry["bar"] = [reference_bar(b) for b in base]
-                entry["ratio"] = {v: [stat["accuracy"] / b if b else None for stat, b in zip(entry["summary"][v], base)]
-                                  for v in variants if v != reference}
-                entry["meets_bar"] = {v: [stat["accuracy"] >= level for stat, level in zip(entry["summary"][v],
-                                                                                          entry["bar"])]
-                                      for v in variants if v != reference}
-            tasks[task] = entry
         overall = {v: accuracy_stat([hit for task in suite.tasks for length in suite.lengths
                                      for depth in suite.depths for hit in hits[v, group, task, length, depth]])
                    for v in variants}
         groups[group] = {"haystacks": haystacks, "overall": overall, "tasks": tasks}
     return {"lengths": suite.lengths, "depths": suite.depths, "samples": suite.samples, "seed": suite.seed,
-            "tasks": suite.tasks, "variants": list(variants), "reference": reference, "groups": groups}
+            "tasks": suite.tasks, "variants": list(variants), "reference": None, "groups": groups}
+
+
+def against_reference(result: dict, reference: str) -> dict:
+    """`result` with, per group, task and length, the bar the reference's accuracy sets (`bar`), and each other
+    model's accuracy over the reference's (`ratio`, None where the reference scores 0) and whether it reaches the
+    bar (`meets_bar`); per group, how many (task, length) pairs each model meets (`meets_bar`)."""
+    others = [v for v in result["variants"] if v != reference]
+    groups = {}
+    for group, entry in result["groups"].items():
+        tasks = {}
+        for task, scores in entry["tasks"].items():
+            base = [stat["accuracy"] for stat in scores["summary"][reference]]
+            bars = [reference_bar(b) for b in base]
+            tasks[task] = {
+                **scores, "bar": bars,
+                "ratio": {v: [s["accuracy"] / b if b else None for s, b in zip(scores["summary"][v], base)]
+                          for v in others},
+                "meets_bar": {v: [s["accuracy"] >= level for s, level in zip(scores["summary"][v], bars)]
+                              for v in others},
+            }
+        met = {v: sum(sum(t["meets_bar"][v]) for t in tasks.values()) for v in others}
+        groups[group] = {**entry, "tasks": tasks,
+                         "meets_bar": {v: {"met": met[v], "of": len(tasks) * len(result["lengths"])} for v in others}}
+    return {**result, "reference": reference, "groups": groups}

@@ -14,6 +14,7 @@ from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.eval.intervals import Z_95, wilson_interval
 from nha_retrofit.eval.needles import GROUPS, HELDOUT, SUITE_TASKS, TUNING, fixed_texts, word_ngrams
 from nha_retrofit.eval.retrieval import greedy_exact_matches
+from nha_retrofit.eval.report import suite_tables
 from nha_retrofit.eval.retrieval_suite import build_suite, reference_bar, run_suite
 
 LENGTHS, DEPTHS = [700, 900], [0, 50, 100]
@@ -116,7 +117,8 @@ def test_a_users_own_file_is_the_haystack(tiny_tokenizer, tmp_path):
     (dict(depths=[120]), r"needle depths are percentages from 0 to 100, got \[120\]"),
     (dict(samples=0), r"samples per length and depth must be >= 1, got 0"),
     (dict(lengths=[60], tasks=["kv"]), r"length 60 is too short for kv: its instruction, needles and question"),
-    (dict(haystack_path="missing.txt"), r"--haystack missing.txt is not a readable UTF-8 text file"),
+    (dict(haystack_path="missing.txt"), r"--haystack missing.txt is neither a held-out text \(python-stdlib, "
+                                        r"shakespeare, python-docs\) nor a readable UTF-8 text file"),
 ])
 def test_a_mistake_is_one_line(tiny_tokenizer, options, message):
     with pytest.raises(NHARetrofitError, match=message):
@@ -182,7 +184,16 @@ def test_the_result_scores_each_model_against_the_reference(tiny_tokenizer, suit
                                                       "interval": list(wilson_interval(0, 3))}
             assert entry["ratio"] == {"finetuned": [1.0, 0.0], "other": [0.0, 0.0]}
             assert entry["bar"] == [0.9, 0.9] and entry["meets_bar"]["finetuned"] == [True, False]
+        assert result["groups"][group]["meets_bar"] == {"finetuned": {"met": 8, "of": 16},
+                                                        "other": {"met": 0, "of": 16}}
     assert run_suite({"a": models["finetuned"]}, suite)["reference"] is None
+
+    low, high = (round(100 * end) for end in wilson_interval(9, 9))
+    lines = suite_tables(result, list(models))
+    assert f"| kv | finetuned | 100.0 [{low}-{high}] | 0.0 [0-{100 - low}] |" in lines
+    assert "| vartrack | finetuned | 1.00 met | 0.00 below 90.0 |" in lines
+    assert any(line.startswith("heldout group: accuracy over original's") and line.endswith(
+        "bar met: finetuned 8 of 16, other 0 of 16") for line in lines)
 
 
 def test_the_bar_is_ninety_percent_of_the_reference_or_five_points_below_it_under_twenty():
