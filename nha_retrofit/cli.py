@@ -140,9 +140,8 @@ def plan(
 @user_errors
 def evaluate(
     checkpoint: Annotated[Path, typer.Argument(help="An NHA checkpoint folder (converted or exported).")],
-    tasks: Annotated[str, typer.Option(help="Comma-separated: heldout, passkey, niah, positions, lm-eval tasks.")] = (
-        "heldout"
-    ),
+    tasks: Annotated[str, typer.Option(
+        help="Comma-separated: heldout, passkey, niah, suite (or suite:TASK), positions, lm-eval tasks.")] = "heldout",
     variants: Annotated[str, typer.Option(help="Compared models: original, nha, nha_all_full, window_only.")] = (
         "original,nha,nha_all_full,window_only"
     ),
@@ -158,13 +157,16 @@ def evaluate(
     ),
     max_tokens: Annotated[int, typer.Option(help="heldout: tokens of each text to score.")] = 8192,
     chunk_len: Annotated[int, typer.Option(help="heldout: tokens per independent chunk.")] = 1024,
-    lengths: Annotated[str | None, typer.Option(help="passkey/niah: lengths in tokens (default 1K..4x training).")] = (
-        None
-    ),
-    depths: Annotated[str, typer.Option(help="passkey/niah: needle depths in percent.")] = "0,25,50,75,100",
-    samples: Annotated[int, typer.Option(help="passkey/niah: samples per length and depth.")] = 10,
-    haystack: Annotated[str, typer.Option(help="passkey/niah: the held-out text of the haystacks.")] = "python-docs",
-    seed: Annotated[int, typer.Option(help="passkey/niah: seed of the samples.")] = 0,
+    lengths: Annotated[str | None, typer.Option(
+        help="passkey/niah/suite: lengths in tokens (default 1K..4x training).")] = None,
+    depths: Annotated[str, typer.Option(help="passkey/niah/suite: needle depths in percent.")] = "0,25,50,75,100",
+    samples: Annotated[int | None, typer.Option(
+        help="passkey/niah/suite: samples per length and depth (default 10; suite 20).")] = None,
+    haystack: Annotated[str | None, typer.Option(
+        help="passkey/niah/suite: a held-out text or a text file of your own as the haystack (default python-docs; "
+             "suite: each group's own).")] = None,
+    group: Annotated[str, typer.Option(help="suite: tuning, heldout or all.")] = "all",
+    seed: Annotated[int, typer.Option(help="passkey/niah/suite: seed of the samples.")] = 0,
     position_length: Annotated[int | None, typer.Option(help="positions: tokens per sequence.")] = None,
     sequences: Annotated[int, typer.Option(help="positions: sequences of held-out text.")] = 8,
     allow_beyond_positions: Annotated[bool, typer.Option(help="Allow lengths past max_position_embeddings.")] = False,
@@ -176,23 +178,29 @@ def evaluate(
     ),
 ):
     """Score the original, the NHA model, it with all windows full, and it window-only, side by side on one copy of
-    the weights: held-out perplexity, lm-evaluation-harness tasks, passkey and needle retrieval, loss by position."""
+    the weights: held-out perplexity, lm-evaluation-harness tasks, passkey and needle retrieval, the retrieval suite,
+    loss by position."""
     from .atomic import check_output_folder
     from .errors import NHARetrofitError
     from .eval.evaluate import HeldoutSpec, evaluate_checkpoint
     from .eval.positions import PositionSpec
     from .eval.report import format_report, record_in_checkpoint, write_outputs
     from .eval.retrieval import RetrievalSpec
+    from .eval.retrieval_suite import SuiteSpec
 
     if output is not None:
         check_output_folder(output, overwrite)
     task_names = parse_names(tasks)
+    chosen_lengths = parse_ints(lengths, "lengths such as 1024,4096") if lengths else None
+    chosen_depths = parse_ints(depths, "depths in percent such as 0,50,100")
+    given = {key: value for key, value in dict(samples=samples, haystack=haystack, seed=seed).items()
+             if value is not None}  # the others: each kind's own default
     report = evaluate_checkpoint(
         checkpoint, task_names, variants=parse_names(variants), device=device, dtype=dtype, batch_size=batch_size,
         limit=limit, include_path=include_path,
         heldout=HeldoutSpec(parse_names(texts), max_tokens, chunk_len),
-        retrieval=RetrievalSpec(parse_ints(lengths, "lengths such as 1024,4096") if lengths else None,
-                                parse_ints(depths, "depths in percent such as 0,50,100"), samples, haystack, seed),
+        retrieval=RetrievalSpec(chosen_lengths, chosen_depths, **given),
+        suite=SuiteSpec(chosen_lengths, chosen_depths, group=group, **given),
         positions=PositionSpec(position_length, sequences, parse_names(texts)),
         allow_beyond_positions=allow_beyond_positions,
         prompt=prompt if "heldout" in task_names else None, plots=output is not None, progress=True,

@@ -2,7 +2,8 @@
 on one loaded copy of the weights, collected into one report.
 
 Tasks: `heldout` (perplexity on the built-in held-out texts), `passkey`, `niah` (= `niah_single` and
-`niah_multikey`; `retrieval.py`), `positions` (loss by position; `positions.py`), and any lm-evaluation-harness task
+`niah_multikey`; `retrieval.py`), `suite` (the retrieval suite, or `suite:TASK` for some of its tasks;
+`retrieval_suite.py`), `positions` (loss by position; `positions.py`), and any lm-evaluation-harness task
 (`harness.py`). Every input is checked before the weights are loaded, so a mistake costs nothing.
 """
 
@@ -17,12 +18,15 @@ import transformers
 from ..errors import NHARetrofitError
 from .compare import DEFAULT_TEXTS, check_texts, compare_perplexity, generate_text
 from .positions import PositionSpec
+from .needles import SUITE_TASKS
 from .retrieval import RETRIEVAL_TASKS, RetrievalSpec, check_lengths, check_spec, default_lengths
+from .retrieval_suite import SuiteSpec, check_suite_options
 from .variants import (VARIANTS, Variants, check_variants, device_name, load_model, load_tokenizer,
                        read_checkpoint_facts, resolve_placement)
 
 TASK_ALIASES = {"niah": ["niah_single", "niah_multikey"]}
-BUILTIN_TASKS = ("heldout", "passkey", "niah", "niah_single", "niah_multikey", "positions")
+BUILTIN_TASKS = ("heldout", "passkey", "niah", "niah_single", "niah_multikey", "suite", "positions")
+SUITE_PREFIX = "suite:"
 
 
 @dataclass
@@ -40,6 +44,7 @@ class TaskPlan:
 
     heldout: bool = False
     retrieval: list[str] = field(default_factory=list)
+    suite: list[str] = field(default_factory=list)
     positions: bool = False
     harness: list[str] = field(default_factory=list)
 
@@ -56,6 +61,9 @@ def plan_tasks(names) -> TaskPlan:
                 plan.positions = True
             elif task in RETRIEVAL_TASKS:
                 plan.retrieval += [task] if task not in plan.retrieval else []
+            elif task == "suite" or task.startswith(SUITE_PREFIX):
+                chosen = SUITE_TASKS if task == "suite" else [task.removeprefix(SUITE_PREFIX)]
+                plan.suite += [name for name in chosen if name not in plan.suite]
             else:
                 plan.harness += [task] if task not in plan.harness else []
     return plan
@@ -64,16 +72,19 @@ def plan_tasks(names) -> TaskPlan:
 def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device: str = "auto", dtype: str = "auto",
                         batch_size: int = 1, limit: int | None = None, include_path=None,
                         heldout: HeldoutSpec | None = None, retrieval: RetrievalSpec | None = None,
-                        positions: PositionSpec | None = None, allow_beyond_positions: bool = False,
-                        prompt: str | None = None, plots: bool = False, progress: bool = False, log=print) -> dict:
+                        suite: SuiteSpec | None = None, positions: PositionSpec | None = None,
+                        allow_beyond_positions: bool = False, prompt: str | None = None, plots: bool = False,
+                        progress: bool = False, log=print) -> dict:
     """Score the checkpoint at `folder` on `tasks` for each of `variants`; returns the report (`report.py` formats
     and writes it). `prompt`: also a greedy completion by the NHA model. `plots`: check now that the PNGs can be
     drawn later (matplotlib installed)."""
     from .harness import harness_scores, task_manager
     from .positions import long_sequences, run_positions
     from .retrieval import retrieval_cells, run_retrieval
+    from .retrieval_suite import build_suite, run_suite
 
     heldout, retrieval, positions = heldout or HeldoutSpec(), retrieval or RetrievalSpec(), positions or PositionSpec()
+    suite = suite or SuiteSpec()
     plan = plan_tasks(list(tasks))
     variant_names = check_variants(variants)
     resolve_placement(device, dtype)
@@ -90,9 +101,11 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
                                    f"{heldout.chunk_len}")
     if plan.retrieval:
         check_spec(retrieval)
-        check_texts([retrieval.haystack])
         retrieval = replace(retrieval, lengths=check_lengths(retrieval.lengths or default, max_positions,
                                                              allow_beyond_positions))
+    if plan.suite:
+        suite = replace(suite, lengths=check_lengths(suite.lengths or default, max_positions, allow_beyond_positions))
+        check_suite_options(suite.lengths, suite.depths, suite.samples, suite.group, plan.suite)
     if plan.positions:
         check_texts(positions.texts)
         positions = replace(positions, length=check_lengths([positions.length or default[-1]], max_positions,
@@ -100,12 +113,14 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
         if positions.sequences < 1:
             raise NHARetrofitError(f"--sequences must be >= 1, got {positions.sequences}")
     manager = task_manager(plan.harness, include_path, BUILTIN_TASKS) if plan.harness else None
-    if plots and (plan.retrieval or plan.positions):
+    if plots and (plan.retrieval or plan.suite or plan.positions):
         from .plots import require_matplotlib
 
         require_matplotlib()
     tokenizer = load_tokenizer(folder)
     cells = retrieval_cells(tokenizer, plan.retrieval, retrieval) if plan.retrieval else None
+    suite_samples = (build_suite(tokenizer, suite.lengths, suite.samples, suite.depths, suite.group, suite.haystack,
+                                 suite.seed, plan.suite) if plan.suite else None)
     sequences = (long_sequences(tokenizer, positions.texts, positions.length, positions.sequences)
                  if plan.positions else None)
 
@@ -126,6 +141,8 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
                                                chunk_len=heldout.chunk_len, batch_size=batch_size, log=log)
     if plan.retrieval:
         report["retrieval"] = run_retrieval(compared, cells, retrieval, batch_size=batch_size, progress=progress)
+    if plan.suite:
+        report["suite"] = run_suite(compared, suite_samples, batch_size=batch_size, progress=progress)
     if plan.positions:
         report["positions"] = run_positions(compared, sequences, positions, batch_size=batch_size, progress=progress)
     if prompt:

@@ -12,7 +12,8 @@ from ..errors import NHARetrofitError
 from .variants import VARIANT_TITLES
 
 EVAL_RECORD = "nha_eval.json"
-TASK_SECTIONS = ("heldout", "harness", "retrieval")  # keyed by text or task; `positions` is one measurement
+TASK_SECTIONS = ("heldout", "harness", "retrieval")  # keyed by text or task
+ONE_MEASUREMENT = ("suite", "positions")
 REPORT_JSON, REPORT_MARKDOWN, POSITIONS_PNG = "evaluation.json", "evaluation.md", "positions.png"
 
 
@@ -59,6 +60,43 @@ def retrieval_tables(section: dict, variants: list[str]) -> list[str]:
     return lines[:-1]
 
 
+def _percent(stat: dict) -> str:
+    low, high = stat["interval"]
+    return f"{100 * stat['accuracy']:.1f} [{100 * low:.0f}-{100 * high:.0f}]"
+
+
+def _against_bar(ratio: float | None, met: bool, level: float) -> str:
+    return ("-" if ratio is None else f"{ratio:.2f}") + (" met" if met else f" below {100 * level:.1f}")
+
+
+def suite_tables(result: dict, variants: list[str]) -> list[str]:
+    """Per group: every model's accuracy per task and length with its 95% interval; then, against the reference,
+    each model's ratio per task and length and whether it reaches the bar."""
+    lines, lengths, reference = [], result["lengths"], result["reference"]
+    shown = [v for v in variants if v in result["variants"]]
+    depths = ", ".join(f"{d:g}%" for d in result["depths"])
+    for group, entry in result["groups"].items():
+        overall = ", ".join(f"{_title(v)} {_percent(entry['overall'][v])}" for v in shown)
+        lines += [f"### Retrieval suite, {group} group ({', '.join(entry['haystacks'])}): accuracy (%) [95% "
+                  f"interval]; {result['samples']} samples per length and needle depth ({depths}), seed "
+                  f"{result['seed']}", "", f"Over all tasks and lengths: {overall}.", ""]
+        rows = [[task, _title(v), *(_percent(stat) for stat in scores["summary"][v])]
+                for task, scores in entry["tasks"].items() for v in shown]
+        lines += _table(["task", "model", *map(str, lengths)], rows)
+        if reference is not None:
+            others = [v for v in shown if v != reference]
+            met = ", ".join(f"{_title(v)} {entry['meets_bar'][v]['met']} of {entry['meets_bar'][v]['of']}"
+                            for v in others)
+            rows = [[task, _title(v), *(_against_bar(r, m, level) for r, m, level in
+                                        zip(scores["ratio"][v], scores["meets_bar"][v], scores["bar"]))]
+                    for task, scores in entry["tasks"].items() for v in others]
+            lines += ["", f"{group} group: accuracy over {_title(reference)}'s, and whether it reaches the bar (90% "
+                          f"of {_title(reference)}'s, or {_title(reference)}'s minus 5 points where under 20%); bar "
+                          f"met: {met}", "", *_table(["task", "model", *map(str, lengths)], rows)]
+        lines.append("")
+    return lines[:-1]
+
+
 def positions_table(result: dict, variants: list[str]) -> list[str]:
     shown = [v for v in variants if v in result["loss"]]
     rows = [[f"{start}-{end}", *(f"{result['loss'][v][i]:.3f}" for v in shown)]
@@ -74,7 +112,7 @@ def format_report(report: dict) -> str:
     lines = [f"{where}{report['device']}, {report['dtype']}, windows {report['windows']}"]
     sections = [
         ("heldout", heldout_table), ("harness", harness_table), ("retrieval", retrieval_tables),
-        ("positions", positions_table),
+        ("suite", suite_tables), ("positions", positions_table),
     ]
     for key, table in sections:
         if report.get(key):
@@ -83,13 +121,17 @@ def format_report(report: dict) -> str:
 
 
 def figures(report: dict) -> dict:
-    """{file name: function(path) drawing it} for the report's retrieval and position results."""
-    from .plots import positions_plot, retrieval_heatmap
+    """{file name: function(path) drawing it} for the report's retrieval, suite and position results."""
+    from .plots import positions_plot, retrieval_heatmap, suite_heatmap
 
     drawn = {}
     for task, result in (report.get("retrieval") or {}).items():
         for variant in report["variants"]:
             drawn[f"{task}_{variant}.png"] = lambda path, t=task, v=variant, r=result: retrieval_heatmap(path, t, v, r)
+    suite = report.get("suite")
+    for group in (suite or {}).get("groups", {}):
+        for variant in suite["variants"]:
+            drawn[f"suite_{group}_{variant}.png"] = lambda path, g=group, v=variant: suite_heatmap(path, g, v, suite)
     if report.get("positions"):
         drawn[POSITIONS_PNG] = lambda path: positions_plot(path, report["positions"])
     return drawn
@@ -112,8 +154,8 @@ def write_outputs(report: dict, output: Path | None = None, json_path: Path | No
 
 
 def record_in_checkpoint(folder: Path, report: dict) -> Path:
-    """Merge `report` into the checkpoint's `nha_eval.json`: each text, task and the position measurement keeps its
-    latest result, so evaluations of different tasks add up. The record holds no local path."""
+    """Merge `report` into the checkpoint's `nha_eval.json`: each text, task, the suite and the position measurement
+    keeps its latest result, so evaluations of different tasks add up. The record holds no local path."""
     try:
         record = read_record(folder) or {}
     except NHARetrofitError:  # unreadable: replaced by this evaluation
@@ -122,7 +164,8 @@ def record_in_checkpoint(folder: Path, report: dict) -> Path:
     latest["variants"] = list(dict.fromkeys([*report["variants"], *record.get("variants", [])]))
     for key in TASK_SECTIONS:
         latest[key] = {**(record.get(key) or {}), **(report.get(key) or {})}
-    latest["positions"] = report.get("positions") or record.get("positions")
+    for key in ONE_MEASUREMENT:
+        latest[key] = report.get(key) or record.get(key)
     path = Path(folder) / EVAL_RECORD
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(latest, indent=2) + "\n")

@@ -1,5 +1,5 @@
 """Long-context retrieval with no download: passkey retrieval and needle in a haystack (one key, or several keys of
-which one is asked for), over haystacks of the package's local held-out text (`texts.py`).
+which one is asked for), over haystacks of the package's local held-out text (`texts.py`) or a text file.
 
 Each sample is one sequence of exactly `length` tokens: an instruction, haystack text with the needle(s), a question,
 and the answer's digits. The asked needle sits at a depth (the share of the haystack before it), at the line start
@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -71,7 +72,7 @@ RETRIEVAL_TASKS = {
 @dataclass
 class RetrievalSpec:
     """What the retrieval tasks measure: lengths in tokens (None: `default_lengths`), needle depths in percent of
-    the haystack, samples per (length, depth), the haystack's held-out text, the seed."""
+    the haystack, samples per (length, depth), the haystack (a held-out text's name or a text file), the seed."""
 
     lengths: list[int] | None = None
     depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
@@ -110,15 +111,15 @@ def check_spec(spec: RetrievalSpec) -> None:
         raise NHARetrofitError(f"needle depths are percentages from 0 to 100, got {list(spec.depths)}")
     if spec.samples < 1:
         raise NHARetrofitError(f"samples per length and depth must be >= 1, got {spec.samples}")
-    if spec.haystack not in HELDOUT_TEXTS:
-        raise NHARetrofitError(f"unknown haystack text {spec.haystack!r}; choose one of: {', '.join(HELDOUT_TEXTS)}")
 
 
 class Haystack:
-    """A held-out text tokenized once, with the tokens that start a line (where needles go)."""
+    """A text tokenized once, with the tokens that start a line (where needles go)."""
 
-    def __init__(self, tokenizer, name: str):
-        text = HELDOUT_TEXTS[name]()
+    def __init__(self, tokenizer, name: str, text: str | None = None):
+        """`text`: a text of the user's own (`name` then names it), else the held-out text `name`."""
+        text = HELDOUT_TEXTS[name]() if text is None else text
+        self.name = name
         try:
             encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         except NotImplementedError:
@@ -142,22 +143,37 @@ class Haystack:
             piece = self.ids[position : position + count - len(ids)]
             first = bisect.bisect_left(self.line_starts, position)
             last = bisect.bisect_left(self.line_starts, position + len(piece))
-            boundaries += [len(ids) + start - position for start in self.line_starts[first:last]
-                           if len(ids) + start - position > 0]
+            shift = len(ids) - position
+            boundaries += [start + shift for start in self.line_starts[first:last] if start + shift > 0]
             ids += piece
             position = 0
         return ids, boundaries + [count]
 
 
+def open_haystack(tokenizer, haystack: str | Path) -> Haystack:
+    """The named held-out text, or a UTF-8 text file of the user's own (named by its file name)."""
+    if str(haystack) in HELDOUT_TEXTS:
+        return Haystack(tokenizer, str(haystack))
+    path = Path(haystack)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise NHARetrofitError(f"--haystack {path} is neither a held-out text ({', '.join(HELDOUT_TEXTS)}) nor a "
+                               f"readable UTF-8 text file ({type(error).__name__})") from None
+    if text.count("\n") < 2:
+        raise NHARetrofitError(f"--haystack {path} has fewer than 2 lines: needles go at line starts")
+    return Haystack(tokenizer, path.name, text)
+
+
 @dataclass
 class Sample:
-    """One prompt with its answer: `ids` ends with the `answer_length` tokens of the asked number `value`, whose
-    needle starts at token `needle_start`."""
+    """One prompt with its answer: `ids` ends with the `answer_length` tokens of the asked `value` (a number, or the
+    answer's text), and the needle placed at the asked depth starts at token `needle_start`."""
 
     ids: list[int]
     answer_length: int
     needle_start: int
-    value: int
+    value: int | str
 
 
 def encode_question(tokenizer, task: RetrievalTask, key: str, value: int) -> tuple[list[int], int]:
@@ -167,6 +183,39 @@ def encode_question(tokenizer, task: RetrievalTask, key: str, value: int) -> tup
     number_start = text.rindex(str(value))
     answer_length = sum(1 for _, end in encoded["offset_mapping"] if end > number_start)
     return encoded["input_ids"], answer_length
+
+
+def nearest(boundaries: list[int], target: float) -> int:
+    """The boundary nearest to `target` in the ascending `boundaries`, the earlier one of two as near."""
+    after = bisect.bisect_left(boundaries, target)
+    return min(boundaries[max(after - 1, 0) : after + 1], key=lambda b: (abs(b - target), b))
+
+
+def insert_needles(instruction: list[int], needles: list[list[int]], question: list[int], haystack: Haystack,
+                   length: int, depth: float, rng: random.Random, what: str,
+                   chains: tuple = ()) -> tuple[list[int], int]:
+    """`length` tokens: the instruction, haystack text with the needles at line starts, the question. The first
+    needle goes to the line start nearest to `depth` percent of the haystack, the others to random line starts;
+    the needles of each chain (a list of indices) then take their places in chain order. Returns the ids and where
+    the needle at `depth` starts."""
+    room = length - len(instruction) - sum(map(len, needles)) - len(question)
+    if room < 1:
+        raise NHARetrofitError(f"length {length} is too short for {what}: its instruction, needles and question "
+                               f"alone take {length - room} tokens")
+    text, boundaries = haystack.take(rng, room)
+    places = [nearest(boundaries, depth / 100 * room)] + [rng.choice(boundaries) for _ in needles[1:]]
+    at_depth = places[0]
+    for chain in chains:
+        for index, place in zip(chain, sorted(places[i] for i in chain)):
+            places[index] = place
+    ids, needle_start, cursor = list(instruction), None, 0
+    for index in sorted(range(len(needles)), key=lambda i: (places[i], i)):
+        ids += text[cursor : places[index]]
+        cursor = places[index]
+        if needle_start is None and places[index] == at_depth:
+            needle_start = len(ids)
+        ids += needles[index]
+    return ids + text[cursor:] + question, needle_start
 
 
 def build_sample(tokenizer, haystack: Haystack, task: RetrievalTask, length: int, depth: float,
@@ -179,24 +228,8 @@ def build_sample(tokenizer, haystack: Haystack, task: RetrievalTask, length: int
     needles = [tokenizer(task.needle.format(key=k, value=v), add_special_tokens=False)["input_ids"]
                for k, v in zip(keys, values)]
     question, answer_length = encode_question(tokenizer, task, keys[asked], values[asked])
-    room = length - len(instruction) - sum(map(len, needles)) - len(question)
-    if room < 1:
-        raise NHARetrofitError(f"length {length} is too short for {task.name}: its instruction, needles and question "
-                               f"alone take {length - room} tokens")
-    text, boundaries = haystack.take(rng, room)
-    target = depth / 100 * room
-    places = {asked: min(boundaries, key=lambda b: (abs(b - target), b))}
-    for index in range(task.needles):
-        if index != asked:
-            places[index] = rng.choice(boundaries)
-    ids, needle_start, cursor = list(instruction), 0, 0
-    for index in sorted(places, key=lambda i: (places[i], i != asked)):
-        ids += text[cursor : places[index]]
-        cursor = places[index]
-        if index == asked:
-            needle_start = len(ids)
-        ids += needles[index]
-    ids += text[cursor:] + question
+    ordered = [needles[asked]] + [needle for index, needle in enumerate(needles) if index != asked]
+    ids, needle_start = insert_needles(instruction, ordered, question, haystack, length, depth, rng, task.name)
     return Sample(ids, answer_length, needle_start, values[asked])
 
 
@@ -220,7 +253,7 @@ def greedy_exact_matches(model, samples: list[Sample], device) -> list[bool]:
 
 def retrieval_cells(tokenizer, task_names, spec: RetrievalSpec) -> dict:
     """{(task, length, depth): samples} for every cell the tasks measure."""
-    haystack = Haystack(tokenizer, spec.haystack)
+    haystack = open_haystack(tokenizer, spec.haystack)
     return {
         (name, length, depth): build_samples(tokenizer, haystack, RETRIEVAL_TASKS[name], length, depth, spec.samples,
                                              spec.seed)
@@ -248,7 +281,7 @@ def run_retrieval(variants, cells: dict, spec: RetrievalSpec, *, batch_size: int
     return {
         name: {
             "lengths": list(spec.lengths), "depths": list(spec.depths), "samples": spec.samples,
-            "haystack": spec.haystack, "seed": spec.seed,
+            "haystack": Path(spec.haystack).name, "seed": spec.seed,
             "accuracy": {
                 variant: [[sum(hits[variant, name, length, depth]) / spec.samples for depth in spec.depths]
                           for length in spec.lengths]

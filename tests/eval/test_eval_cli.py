@@ -69,6 +69,30 @@ def test_every_task_kind_in_one_run(checkpoint, local_tasks, tmp_path):
     assert f"value: {round(record['heldout']['python-stdlib']['nha'], 4)}" in card
 
 
+def test_the_retrieval_suite_on_a_users_own_haystack(checkpoint, tmp_path):
+    """Two suite tasks of the held-out group over the user's file: the JSON, the tables, a heatmap per model, the
+    record in the checkpoint; the NHA model with every window full scores as the original."""
+    notes, out = tmp_path / "notes.txt", tmp_path / "out"
+    notes.write_text("".join(f"Entry {i}: the harbour crane lifted crate {i} before noon.\n" for i in range(300)))
+    code, output = cli("eval", checkpoint, "--tasks", "suite:passkey,suite:niah_word", "--group", "heldout",
+                       "--haystack", notes, "--lengths", "300", "--depths", "0,100", "--samples", "2", "--variants",
+                       "original,nha,nha_all_full", "--device", "cpu", "--batch-size", "3", "--output", out)
+    assert code == 0, output
+    assert "### Retrieval suite, heldout group (notes.txt): accuracy (%) [95% interval]; 2 samples" in output
+    report = json.loads((out / "evaluation.json").read_text())
+    suite = report["suite"]
+    assert suite["tasks"] == ["passkey", "niah_word"] and suite["reference"] == "original"
+    assert list(suite["groups"]) == ["heldout"] and suite["groups"]["heldout"]["haystacks"] == ["notes.txt"]
+    for scores in suite["groups"]["heldout"]["tasks"].values():
+        assert scores["cells"]["nha_all_full"] == scores["cells"]["original"]
+        assert [stat["samples"] for stat in scores["summary"]["nha"]] == [4]
+        assert list(scores["ratio"]) == ["nha", "nha_all_full"] and len(scores["bar"]) == 1
+    pngs = {f"suite_heldout_{variant}.png" for variant in ("original", "nha", "nha_all_full")}
+    assert {p.name for p in out.iterdir()} == {"evaluation.json", "evaluation.md", *pngs}
+    assert all((out / name).read_bytes().startswith(PNG_SIGNATURE) for name in pngs)
+    assert json.loads((checkpoint / "nha_eval.json").read_text())["suite"] == suite
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "passkey", "--lengths", "256,1024"], "length 1024 is beyond the model's 512 positions "
                                                       "(max_position_embeddings); pass --allow-beyond-positions"),
@@ -81,8 +105,15 @@ def test_every_task_kind_in_one_run(checkpoint, local_tasks, tmp_path):
     (["--tasks", "passkey", "--lengths", "30"], "length 30 is too short for passkey"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--tasks", "arc_easy", "NO-LM-EVAL"], "task 'arc_easy' is not built in (heldout, passkey, niah, "
-                                            "niah_single, niah_multikey, positions); lm-evaluation-harness tasks need "
-                                            "lm-eval: pip install 'nha-retrofit[eval]'"),
+                                            "niah_single, niah_multikey, suite, positions); lm-evaluation-harness "
+                                            "tasks need lm-eval: pip install 'nha-retrofit[eval]'"),
+    (["--tasks", "suite", "--group", "dev"], "unknown suite group 'dev'; choose from tuning, heldout, all"),
+    (["--tasks", "suite:kvv"], "unknown suite task 'kvv'; choose from passkey, niah_number"),
+    (["--tasks", "suite", "--lengths", "1024"], "length 1024 is beyond the model's 512 positions"),
+    (["--tasks", "suite:kv", "--lengths", "60"], "length 60 is too short for kv"),
+    (["--tasks", "suite,passkey", "--haystack", "notes.txt"], "--haystack notes.txt is neither a held-out text "
+                                                              "(python-stdlib, shakespeare, python-docs) nor a "
+                                                              "readable UTF-8 text file"),
     (["--tasks", "passkey", "NO-MATPLOTLIB"], "the PNG plots need matplotlib: pip install 'nha-retrofit[eval]'"),
     (["EXISTING-OUTPUT"], "already exists; pass --overwrite to replace it"),
 ])
