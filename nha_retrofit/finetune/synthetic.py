@@ -79,7 +79,9 @@ class RecallExercises:
         if body < self.seq_len // 2:
             return block
         tail = [t for q in questions for t in q]
-        for position, tokens in sorted(((rng.randrange(body), r) for r in records), key=lambda p: -p[0]):
+        # records go at line starts (after a line break), so that no line of the block, quoted or not, is cut
+        starts = [i + 1 for i in range(body - 1) if ids[i] == self.newline] or list(range(body))
+        for position, tokens in sorted(((rng.choice(starts), r) for r in records), key=lambda p: -p[0]):
             ids[position:position] = tokens
         room = self.seq_len - len(tail)
         return torch.tensor(ids[:room] + tail, dtype=block.dtype)

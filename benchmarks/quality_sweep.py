@@ -1,0 +1,182 @@
+"""Quality-against-cost sweep (not a test): variants of a finetuning recipe trained side by side on one GPU, each
+then scored on the retrieval suite and on held-out perplexity, with its plan's cost at the Llama-3-8B shape.
+
+    python benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml --tokens 3000000 \
+        --variant base= --variant ret4=model.convert.full_layer_ids=[7,18,20,21] \
+        --variant syn=data.synthetic.share=0.5 --output benchmarks/results/quality_sweep_smollm2_h200.json
+
+Each `--variant NAME=OVERRIDE;OVERRIDE...` is the recipe plus `--set` overrides (empty: the recipe itself), trained
+with `--tokens` LM tokens in its own process (`--parallel` at a time: a 135M model leaves most of an H200 idle,
+so several runs share it). Every finished variant is scored against the original (the converted checkpoint's
+weights under full attention, the same for every variant) on the tuning group of the retrieval suite, and its
+held-out perplexity (the recipe's `eval` texts and chunk length) is read from its finetuning summary. Cost columns:
+the plan mapped onto Llama-3-8B's 32 layers (the same share of full layers, the same window and slots): cache
+bytes per sequence at 8K and 32K tokens against the original's, and decode ms per token at 32K where a bench JSON
+is given (`--decode-json`, from `nha-retrofit bench --random-weights llama3-8b`).
+Rows are added to the output JSON as they finish, so an interrupted sweep keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, _, overrides = text.partition("=")
+    if not name:
+        raise SystemExit(f"--variant {text!r}: expected NAME=OVERRIDE;OVERRIDE... (overrides may be empty)")
+    return name, [o.strip() for o in overrides.split(";") if o.strip()]
+
+
+def train_one(recipe: str, name: str, overrides: list[str], tokens: int, root: Path) -> None:
+    """Child process: one finetuning run; its summary (held-out perplexities, tokens, time) as summary.json."""
+    from nha_retrofit.finetune import finetune
+
+    out = root / name
+    start = time.monotonic()
+    summary = finetune(recipe, [*overrides, f"stages.lm.tokens={tokens}", f"train.output_dir={out}",
+                                f"export.folder={out / 'model'}"], overwrite=True)
+    summary["sweep_wall_time_s"] = round(time.monotonic() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def train_all(args, variants: dict, root: Path) -> None:
+    """Runs every variant's training, `--parallel` processes at a time; each one's log is root/NAME.log."""
+    pending = list(variants.items())
+    running = []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name, overrides = pending.pop(0)
+            (root / name).mkdir(parents=True, exist_ok=True)
+            log = open(root / f"{name}.log", "w")
+            command = [sys.executable, __file__, "--train-one", name, "--recipe", args.recipe, "--tokens",
+                       str(args.tokens), "--root", str(root), *[f"--variant={name}={';'.join(overrides)}"]]
+            running.append((name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(5)
+        for entry in list(running):
+            name, process, log = entry
+            if process.poll() is not None:
+                log.close()
+                running.remove(entry)
+                print(f"{name}: training exited {process.returncode}", flush=True)
+
+
+def cache_costs(windows: list, slots: int, layers: int, kv_heads: int, head_dim: int, width: int = 2) -> dict:
+    """Cache bytes per sequence at 8K and 32K of a plan with the same share of full layers, window and slots on a
+    model of `layers` layers, and their ratio to the original's (every layer full)."""
+    from nha_retrofit.plan import nha_state_bytes
+
+    full = round(sum(w is None for w in windows) / len(windows) * layers)
+    window = max((w for w in windows if w is not None), default=0)
+    per_token = 2 * kv_heads * head_dim * width
+    state = nha_state_bytes(kv_heads, head_dim, slots, window, width)
+    costs = {"full_layers": full, "window": window, "slots": slots}
+    for context in (8192, 32768):
+        nha = full * context * per_token + (layers - full) * state
+        costs[f"cache_bytes_{context}"] = nha
+        costs[f"cache_ratio_{context}"] = round(nha / (layers * context * per_token), 4)
+    return costs
+
+
+def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
+    """Scores every exported variant on the retrieval suite against the original; adds one row each to the JSON."""
+    import torch
+
+    from nha_retrofit.eval.retrieval_suite import build_suite, run_suite
+    from nha_retrofit.eval.variants import Variants, load_model, load_tokenizer
+
+    output = Path(args.output)
+    results = json.loads(output.read_text()) if output.is_file() else {}
+    results.setdefault("rows", {})
+    tokenizer = load_tokenizer(converted)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    suite = build_suite(tokenizer, lengths=lengths, samples=args.samples, depths=depths, group=args.group,
+                        seed=args.seed)
+    pretrained = Variants(load_model(converted), ["original"])
+    decode = json.loads(Path(args.decode_json).read_text()) if args.decode_json else {}
+    for name, overrides in variants.items():
+        folder = root / name / "model"
+        summary_path = root / name / "summary.json"
+        if not folder.is_dir() or not summary_path.is_file():
+            print(f"{name}: no exported model; skipped", flush=True)
+            continue
+        summary = json.loads(summary_path.read_text())
+        model = load_model(folder)
+        with pretrained.use("original") as original:
+            scored = run_suite({"original": original, "nha": model}, suite, batch_size=args.batch_size)
+        config = model.config
+        del model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        before, after = summary.get("before", {}), summary.get("after", {})
+        texts = sorted(k[: -len("_original_ppl")] for k in before if k.endswith("_original_ppl"))
+        results["rows"][name] = {
+            "overrides": overrides,
+            "lm_tokens": args.tokens,
+            "tokens": summary.get("tokens"),
+            "train_wall_time_s": summary.get("wall_time_s"),
+            "suite": scored,
+            "perplexity_ratio": {t: after.get(f"{t}_ppl", float("nan")) / before[f"{t}_original_ppl"] for t in texts},
+            "perplexity": {t: {"original": before[f"{t}_original_ppl"], "after": after.get(f"{t}_ppl")}
+                           for t in texts},
+            "cost": {
+                "own": cache_costs(list(config.nha_windows), config.nha_num_slots, config.num_hidden_layers,
+                                   config.num_key_value_heads, config.hidden_size // config.num_attention_heads),
+                "llama3_8b": {**cache_costs(list(config.nha_windows), config.nha_num_slots, **LLAMA3_8B),
+                              **({"decode_ms_32k": decode[name]} if name in decode else {})},
+            },
+        }
+        results.update(machine=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       parallel=args.parallel, suite={"lengths": lengths, "depths": depths,
+                                                      "samples": args.samples, "group": args.group, "seed": args.seed})
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"{name}: {json.dumps(results['rows'][name]['perplexity_ratio'])}", flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "smollm2_gpu.yaml"))
+    parser.add_argument("--variant", action="append", default=[], help="NAME=OVERRIDE;OVERRIDE... (repeatable)")
+    parser.add_argument("--tokens", type=int, default=3_000_000, help="LM-stage tokens of every variant")
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--root", default=str(ROOT / "outputs" / "sweep"))
+    parser.add_argument("--converted", help="the converted, untrained checkpoint whose original is the reference")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--depths", default="0,25,50,75,100")
+    parser.add_argument("--group", default="tuning", help="the retrieval suite's group scored")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--decode-json", help="{variant: decode ms per token at 32K} measured at the 8B shape")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "quality_sweep.json"))
+    parser.add_argument("--train-one", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-training", action="store_true", help="score the variants already trained")
+    args = parser.parse_args(argv)
+    variants = dict(parse_variant(v) for v in args.variant)
+    root = Path(args.root)
+    if args.train_one:
+        train_one(args.recipe, args.train_one, variants[args.train_one], args.tokens, root)
+        return 0
+    if not variants:
+        parser.error("give at least one --variant")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    root.mkdir(parents=True, exist_ok=True)
+    if not args.skip_training:
+        train_all(args, variants, root)
+    if args.converted:
+        evaluate(args, variants, root, Path(args.converted))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
