@@ -28,7 +28,7 @@ from nha_retrofit.bench.output import write_report
 from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
 from nha_retrofit.bench.report import format_report
 from nha_retrofit.eval.speed import Bench, decode_room, run_benchmark
-from nha_retrofit.plan import build_plan
+from nha_retrofit.plan import PlanSpec, build_plan
 
 REPO = Path(__file__).resolve().parent.parent
 DECODE_STEPS = 16
@@ -78,8 +78,8 @@ def profile_prefill(model, length: int) -> dict:
 
 
 def family_model(config: dict, device: str, dtype, quick: bool):
-    plan = build_plan(config["num_hidden_layers"], full_layers=4 if not quick else 1, window=64 if not quick else 8,
-                      slots=64 if not quick else 16)
+    spec = PlanSpec(full_layers=1, window=8, slots=16) if quick else PlanSpec(full_layers=4, window=64, slots=64)
+    plan = build_plan(config["num_hidden_layers"], spec)
     return plan, random_nha_model(config, plan, device, dtype)
 
 

@@ -1,11 +1,13 @@
 """nha-retrofit: turn pretrained Transformer LLMs into Native Hybrid Attention hybrids.
 
-Every CLI verb is a thin layer over a function here, e.g. `nha_retrofit.convert(model, output, ...)`
-(`nha_retrofit.conversion.convert`).
+Every CLI verb is a thin layer over a function here, e.g. `nha_retrofit.convert(model, output, PlanSpec(...))`
+(`nha_retrofit.conversion.convert`; `PlanSpec` is `nha_retrofit.plan.PlanSpec`).
 """
 
+from .plan import PlanSpec
+
 __version__ = "0.1.0"
-__all__ = ["convert"]
+__all__ = ["PlanSpec", "convert"]
 
 
 def __getattr__(name):

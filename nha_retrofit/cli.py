@@ -10,6 +10,9 @@ from typing import Annotated
 
 import typer
 
+from .errors import NHARetrofitError
+from .plan import PlanSpec, parse_windows
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 
 
@@ -18,8 +21,6 @@ def user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from .errors import NHARetrofitError
-
         try:
             return command(*args, **kwargs)
         except NHARetrofitError as error:
@@ -58,27 +59,34 @@ def write_json(path: Path | None, report: dict) -> None:
 ModelArgument = Annotated[str, typer.Argument(help="Local folder, Hub id (downloaded if missing), or 'smollm2-135m'.")]
 RevisionOption = Annotated[str | None, typer.Option(help="Branch, tag or commit of a Hub id (default: main).")]
 TokenOption = Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`).")]
-FullLayersOption = Annotated[int, typer.Option(help="Layers that keep full attention.")]
-FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exact full layers, e.g. 3,11,19,27.")]
-SelectOption = Annotated[str, typer.Option(help="Where --full-layers go: even, first or last.")]
-WindowsOption = Annotated[str | None, typer.Option(help="One window per layer, e.g. 64,64,full,... (overrides).")]
-WindowOption = Annotated[int, typer.Option(help="Sliding window of the NHA layers.")]
-SlotsOption = Annotated[int, typer.Option(help="Slots of the NHA memory per KV head.")]
-GateNormalizerOption = Annotated[float, typer.Option(help="tau in log(alpha) = logsigmoid(g) / tau.")]
-SlotBiasOption = Annotated[float, typer.Option(help="Initial per-head slot-logit offset (0 = the paper).")]
+
+
+def plan_option(kind: type, text: str, field: str):
+    """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help)."""
+    return Annotated[kind | None, typer.Option(help=text, show_default=str(getattr(PlanSpec, field)))]
+
+
+FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers")
+FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exactly these full layers, e.g. 2,9,17,25.")]
+SelectOption = plan_option(str, "Where --full-layers go: even, first or last.", "select")
+WindowsOption = Annotated[str | None, typer.Option(help="One window per layer, e.g. 32,32,full,... (overrides).")]
+WindowOption = plan_option(int, "Sliding window of the NHA layers.", "window")
+SlotsOption = plan_option(int, "Slots of the NHA memory per KV head.", "slots")
+GateNormalizerOption = plan_option(float, "tau in log(alpha) = logsigmoid(g) / tau.", "gate_normalizer")
+SlotBiasOption = plan_option(float, "Initial per-head slot-logit offset (0 = the paper).", "slot_bias_init")
 DeviceOption = Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results to this file.")]
 
 
-def plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init):
-    from .plan import parse_windows
-
-    ids = parse_layer_ids(full_layer_ids)
-    return dict(
-        full_layers=len(ids) if ids is not None else full_layers, full_layer_ids=ids, select=select,
-        windows=parse_windows(windows) if windows is not None else None, window=window, slots=slots,
-        gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init,
-    )
+def plan_spec(full_layers=None, full_layer_ids=None, select=None, windows=None, window=None, slots=None,
+              gate_normalizer=None, slot_bias_init=None) -> PlanSpec:
+    """The PlanSpec of a verb's plan options; those left out (None) keep PlanSpec's defaults."""
+    if full_layers is not None and full_layer_ids is not None:
+        raise NHARetrofitError("--full-layers and --full-layer-ids: give one of the two")
+    given = dict(full_layers=full_layers, full_layer_ids=parse_layer_ids(full_layer_ids), select=select,
+                 windows=None if windows is None else parse_windows(windows), window=window, slots=slots,
+                 gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init)
+    return PlanSpec(**{field: value for field, value in given.items() if value is not None})
 
 
 @app.command()
@@ -86,14 +94,14 @@ def plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, 
 def convert(
     model: ModelArgument,
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the NHA checkpoint to.")],
-    full_layers: FullLayersOption = 4,
+    full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
-    select: SelectOption = "even",
+    select: SelectOption = None,
     windows: WindowsOption = None,
-    window: WindowOption = 64,
-    slots: SlotsOption = 64,
-    gate_normalizer: GateNormalizerOption = 8.0,
-    slot_bias_init: SlotBiasOption = -4.0,
+    window: WindowOption = None,
+    slots: SlotsOption = None,
+    gate_normalizer: GateNormalizerOption = None,
+    slot_bias_init: SlotBiasOption = None,
     gate_init: Annotated[str, typer.Option(help="from_k (copy k_proj, the paper) or random.")] = "from_k",
     allow_pickle: Annotated[bool, typer.Option(help="Accept .bin/.pt weights (loaded with weights_only).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
@@ -103,25 +111,23 @@ def convert(
     """Convert a pretrained Llama, Qwen2.5 or Qwen3-MoE model into an NHA hybrid checkpoint (shard by shard)."""
     from .conversion.converter import convert as run_convert
 
-    run_convert(
-        model, output, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite, revision=revision,
-        token=token,
-        **plan_arguments(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init),
-    )
+    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
+    run_convert(model, output, spec, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
+                revision=revision, token=token)
 
 
 @app.command()
 @user_errors
 def plan(
     model: ModelArgument,
-    full_layers: FullLayersOption = 4,
+    full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
-    select: SelectOption = "even",
+    select: SelectOption = None,
     windows: WindowsOption = None,
-    window: WindowOption = 64,
-    slots: SlotsOption = 64,
-    gate_normalizer: GateNormalizerOption = 8.0,
-    slot_bias_init: SlotBiasOption = -4.0,
+    window: WindowOption = None,
+    slots: SlotsOption = None,
+    gate_normalizer: GateNormalizerOption = None,
+    slot_bias_init: SlotBiasOption = None,
     revision: RevisionOption = None,
     token: TokenOption = None,
 ):
@@ -130,10 +136,9 @@ def plan(
     from .conversion.source import read_source_config_dict
     from .plan import plan_table
 
+    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
     config = read_source_config_dict(resolve_model(model, revision=revision, token=token, weights=False))
-    typer.echo(plan_table(config, **plan_arguments(
-        full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init
-    )))
+    typer.echo(plan_table(config, spec))
 
 
 @app.command("eval")
@@ -181,7 +186,6 @@ def evaluate(
     the weights: held-out perplexity, lm-evaluation-harness tasks, passkey and needle retrieval, the retrieval suite,
     loss by position."""
     from .atomic import check_output_folder
-    from .errors import NHARetrofitError
     from .eval.evaluate import HeldoutSpec, evaluate_checkpoint
     from .eval.positions import PositionSpec
     from .eval.report import format_report, record_in_checkpoint, write_outputs
@@ -231,12 +235,12 @@ def bench(
     compile_original: Annotated[bool, typer.Option(
         help="Also time the original's decode through torch.compile (first context, batch 1).")] = False,
     layers: Annotated[int | None, typer.Option(help="With --random-weights: keep only the first N layers.")] = None,
-    full_layers: FullLayersOption = 4,
+    full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
-    select: SelectOption = "even",
+    select: SelectOption = None,
     windows: WindowsOption = None,
-    window: WindowOption = 64,
-    slots: SlotsOption = 64,
+    window: WindowOption = None,
+    slots: SlotsOption = None,
     device: DeviceOption = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")] = (
         "auto"
@@ -246,25 +250,21 @@ def bench(
     json_output: JsonOption = None,
 ):
     """Prefill, decode, memory and batch throughput: an NHA model against its original with the same weights."""
-    from .errors import NHARetrofitError
     from .eval.speed import benchmark_checkpoint, benchmark_random_weights
 
     if (checkpoint is None) == (random_weights is None):
         raise NHARetrofitError("give a checkpoint folder or --random-weights CONFIG (one of the two)")
     options = dict(
         contexts=parse_ints(contexts, "context lengths such as 512,2048"), decode_steps=decode_steps, rounds=rounds,
-        batch_sizes=parse_ints(batch_sizes, "batch sizes such as 1,8,64"), longest=longest,
+        batch_sizes=parse_ints(batch_sizes, "batch sizes such as 1,8,32"), longest=longest,
         batch_contexts=None if batch_contexts is None else parse_ints(batch_contexts, "context lengths"),
         compile_original=compile_original, device=device, dtype=dtype, progress=True,
     )
     if checkpoint is not None:
         report = benchmark_checkpoint(checkpoint, **options)
     else:
-        from .modeling.configuration_nha import NHA_DEFAULTS
-
-        plan = plan_arguments(full_layers, full_layer_ids, select, windows, window, slots,
-                              NHA_DEFAULTS["nha_gate_normalizer"], NHA_DEFAULTS["nha_slot_bias_init"])
-        report = benchmark_random_weights(random_weights, plan, layers=layers, **options)
+        spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots)
+        report = benchmark_random_weights(random_weights, spec, layers=layers, **options)
     from .bench import plots
     from .bench.output import write_report
     from .bench.report import format_report
@@ -282,11 +282,11 @@ def bench(
 @user_errors
 def search(
     model: ModelArgument,
-    full_layers: FullLayersOption = 4,
-    window: WindowOption = 64,
-    slots: SlotsOption = 64,
-    gate_normalizer: GateNormalizerOption = 8.0,
-    slot_bias_init: SlotBiasOption = -4.0,
+    full_layers: FullLayersOption = None,
+    window: WindowOption = None,
+    slots: SlotsOption = None,
+    gate_normalizer: GateNormalizerOption = None,
+    slot_bias_init: SlotBiasOption = None,
     texts: Annotated[str, typer.Option(help="Comma-separated held-out texts to rank the layers on.")] = "python-stdlib",
     check_texts: Annotated[str, typer.Option(help="Other held-out texts to score the plans on.")] = "python-docs",
     max_tokens: Annotated[int, typer.Option(help="Tokens of each text.")] = 2048,
@@ -297,10 +297,11 @@ def search(
     """Choose the layers that keep full attention: each layer's KL divergence from the original when it alone is NHA."""
     from .eval.layer_search import format_search, search_full_layers
 
+    spec = plan_spec(full_layers, window=window, slots=slots, gate_normalizer=gate_normalizer,
+                     slot_bias_init=slot_bias_init)
     report = search_full_layers(
-        model, full_layers=full_layers, window=window, slots=slots, gate_normalizer=gate_normalizer,
-        slot_bias_init=slot_bias_init, texts=parse_names(texts), check_texts=parse_names(check_texts),
-        max_tokens=max_tokens, chunk_len=chunk_len, device=device, progress=True,
+        model, spec, texts=parse_names(texts), check_texts=parse_names(check_texts), max_tokens=max_tokens,
+        chunk_len=chunk_len, device=device, progress=True,
     )
     typer.echo(format_search(report))
     write_json(json_output, report)

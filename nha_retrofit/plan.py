@@ -1,24 +1,75 @@
 """The layer plan: which layers keep full attention, and the window, slots and gate settings of the others.
 
-A plan is validated before any weight is read or written, and its errors name the offending value. This module
-reads no files: its callers hand it the layer count or the source's config.json already read, and the converter
-takes the `LayerPlan` it returns (CLI -> plan -> converter -> model).
+`PlanSpec` is what a user asks for (every verb, the recipe's `model.convert`, the layer search build one); it owns
+every plan default and the checks that need no model. `build_plan` turns it into the `LayerPlan` of a model with a
+given layer count. This module reads no files: its callers hand it the layer count or the source's config.json
+already read, and the converter takes the `LayerPlan` it returns (CLI -> plan -> converter -> model).
 """
 
 from dataclasses import asdict, dataclass
 
 from .errors import NHARetrofitError
-from .modeling.configuration_nha import NHA_DEFAULTS
 
-DEFAULT_WINDOW = 64
+SELECTIONS = ("even", "first", "last")
+
+
+class PlanSpecError(NHARetrofitError, ValueError):
+    """A plan value that cannot work, named by its field. Shown as the CLI option (`--slots 0: ...`); the recipe
+    names the field by its key instead. A ValueError too, so that pydantic reports it at its place in a recipe."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"--{field.replace('_', '-')} {detail}")
+        self.field, self.detail = field, detail
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A conversion plan before the model's layer count is known. The full layers come from, in this order of
+    precedence: `windows` (one per layer, None = full), `full_layer_ids`, or `full_layers` placed by `select`; the
+    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count."""
+
+    full_layers: int = 4
+    select: str = "even"
+    full_layer_ids: tuple[int, ...] | None = None
+    windows: tuple[int | None, ...] | None = None
+    window: int = 64
+    slots: int = 64
+    gate_normalizer: float = 8.0
+    slot_bias_init: float = -4.0
+
+    def __post_init__(self):
+        if self.windows is not None:
+            object.__setattr__(self, "windows", tuple(self.windows))
+            for position, window in enumerate(self.windows):
+                if window is not None and window < 0:
+                    raise PlanSpecError("windows", f"entry {position} is {window}: a window is >= 0 or 'full'")
+        if self.full_layer_ids is not None:
+            ids = tuple(self.full_layer_ids)
+            object.__setattr__(self, "full_layer_ids", ids)
+            object.__setattr__(self, "full_layers", len(ids))
+            if any(i < 0 for i in ids):
+                raise PlanSpecError("full_layer_ids", f"{min(ids)}: layer ids start at 0")
+            repeated = sorted({i for i in ids if ids.count(i) > 1})
+            if repeated:
+                raise PlanSpecError("full_layer_ids", f"{repeated[0]}: listed more than once")
+        if self.full_layers < 0:
+            raise PlanSpecError("full_layers", f"{self.full_layers}: must be >= 0")
+        if self.select not in SELECTIONS:
+            raise PlanSpecError("select", f"{self.select}: choose one of {', '.join(SELECTIONS)}")
+        if self.window < 0:
+            raise PlanSpecError("window", f"{self.window}: a window is an integer >= 0")
+        if self.slots < 1:
+            raise PlanSpecError("slots", f"{self.slots}: at least one slot is needed")
+        if self.gate_normalizer <= 0:
+            raise PlanSpecError("gate_normalizer", f"{self.gate_normalizer:g}: must be > 0")
 
 
 @dataclass(frozen=True)
 class LayerPlan:
     windows: tuple  # one entry per layer: int window, or None for full attention
-    num_slots: int = NHA_DEFAULTS["nha_num_slots"]
-    gate_normalizer: float = NHA_DEFAULTS["nha_gate_normalizer"]
-    slot_bias_init: float = NHA_DEFAULTS["nha_slot_bias_init"]
+    num_slots: int
+    gate_normalizer: float
+    slot_bias_init: float
 
     @property
     def full_layer_ids(self) -> list[int]:
@@ -46,9 +97,6 @@ class LayerPlan:
         return {**asdict(self), "windows": list(self.windows)}
 
 
-SELECTIONS = ("even", "first", "last")
-
-
 def evenly_spaced(num_layers: int, count: int) -> list[int]:
     """`count` layer ids spread evenly, each in the middle of its share (4 of 32 -> 3, 11, 19, 27)."""
     return [((2 * i + 1) * num_layers - count) // (2 * count) for i in range(count)]
@@ -59,9 +107,7 @@ def select_full_layers(num_layers: int, count: int, select: str = "even") -> lis
         return evenly_spaced(num_layers, count) if count else []
     if select == "first":
         return list(range(count))
-    if select == "last":
-        return list(range(num_layers - count, num_layers))
-    raise NHARetrofitError(f"--select {select}: choose one of {', '.join(SELECTIONS)}")
+    return list(range(num_layers - count, num_layers))
 
 
 def parse_windows(text: str) -> list:
@@ -77,49 +123,26 @@ def parse_windows(text: str) -> list:
     return windows
 
 
-def build_plan(
-    num_layers: int,
-    *,
-    full_layers: int | None = 4,
-    full_layer_ids: list[int] | None = None,
-    select: str = "even",
-    windows: list | None = None,
-    window: int = DEFAULT_WINDOW,
-    slots: int = NHA_DEFAULTS["nha_num_slots"],
-    gate_normalizer: float = NHA_DEFAULTS["nha_gate_normalizer"],
-    slot_bias_init: float = NHA_DEFAULTS["nha_slot_bias_init"],
-) -> LayerPlan:
-    """Exactly `windows` (one per layer) if given; else full layers chosen by `select` (or exactly
-    `full_layer_ids`) and `window` everywhere else."""
-    if slots < 1:
-        raise NHARetrofitError(f"--slots {slots}: at least one slot is needed")
-    if gate_normalizer <= 0:
-        raise NHARetrofitError(f"--gate-normalizer {gate_normalizer}: must be > 0")
-    if windows is not None:
-        if len(windows) != num_layers:
-            raise NHARetrofitError(f"--windows has {len(windows)} entries; the model has {num_layers} layers")
-        negative = [(i, w) for i, w in enumerate(windows) if w is not None and w < 0]
-        if negative:
-            raise NHARetrofitError(f"--windows entry {negative[0][0]} is {negative[0][1]}: a window is >= 0 or 'full'")
-        return LayerPlan(tuple(windows), slots, float(gate_normalizer), float(slot_bias_init))
-    if window is None or window < 0:
-        raise NHARetrofitError(f"--window {window}: a window is an integer >= 0")
-    if full_layer_ids is not None:
-        bad = [i for i in full_layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise NHARetrofitError(f"--full-layer-ids {bad[0]}: out of range, the model has layers 0..{num_layers - 1}")
-        repeated = sorted({i for i in full_layer_ids if full_layer_ids.count(i) > 1})
-        if repeated:
-            raise NHARetrofitError(f"--full-layer-ids {repeated[0]}: listed more than once")
-        full = set(full_layer_ids)
+def build_plan(num_layers: int, spec: PlanSpec = PlanSpec()) -> LayerPlan:
+    """The plan `spec` asks for, on a model of `num_layers` layers."""
+    if spec.windows is not None:
+        if len(spec.windows) != num_layers:
+            raise PlanSpecError("windows", f"has {len(spec.windows)} entries; the model has {num_layers} layers")
+        windows = spec.windows
     else:
-        if full_layers is None or not 0 <= full_layers <= num_layers:
-            raise NHARetrofitError(f"--full-layers {full_layers}: must be between 0 and {num_layers} (the layer count)")
-        full = set(select_full_layers(num_layers, full_layers, select))
-    return LayerPlan(
-        tuple(None if i in full else window for i in range(num_layers)), slots, float(gate_normalizer),
-        float(slot_bias_init),
-    )
+        if spec.full_layer_ids is not None:
+            beyond = [i for i in spec.full_layer_ids if i >= num_layers]
+            if beyond:
+                raise PlanSpecError("full_layer_ids",
+                                    f"{beyond[0]}: out of range, the model has layers 0..{num_layers - 1}")
+            full = set(spec.full_layer_ids)
+        else:
+            if spec.full_layers > num_layers:
+                raise PlanSpecError("full_layers",
+                                    f"{spec.full_layers}: must be between 0 and {num_layers} (the layer count)")
+            full = set(select_full_layers(num_layers, spec.full_layers, spec.select))
+        windows = tuple(None if i in full else spec.window for i in range(num_layers))
+    return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init))
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -140,10 +163,10 @@ def nha_state_bytes(kv_heads: int, head_dim: int, slots: int, window: int, width
     return 2 * kv_heads * slots * head_dim * 4 + window * (kv_heads * (3 * head_dim * width + 4 * slots) + 1) + 1 + 8
 
 
-def plan_table(config: dict, **plan_args) -> str:
-    """The plan for the model whose config.json is `config` (already read and checked, see
+def plan_table(config: dict, spec: PlanSpec = PlanSpec()) -> str:
+    """The plan `spec` asks for on the model whose config.json is `config` (already read and checked, see
     `conversion.source`) as a table: per layer window, slots, new parameters and cache cost."""
-    plan = build_plan(config["num_hidden_layers"], **plan_args)
+    plan = build_plan(config["num_hidden_layers"], spec)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     kv_heads, head_dim, width = cache_dims(config)
     kv_per_token = 2 * kv_heads * head_dim * width

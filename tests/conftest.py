@@ -24,11 +24,12 @@ def fixed_seed():
 
 @pytest.fixture(scope="session")
 def smollm2_nha(tmp_path_factory):
-    """SmolLM2-135M converted with the default plan (4 full layers, w=64, M=64): (source folder, NHA folder)."""
+    """SmolLM2-135M converted with the paper's plan (4 full layers, w=64, M=64): (source folder, NHA folder)."""
     from nha_retrofit.conversion import convert, resolve_model
+    from nha_retrofit.plan import PlanSpec
 
     output = tmp_path_factory.mktemp("smollm2") / "nha"
-    convert("smollm2-135m", output, full_layers=4, log=lambda *_: None)
+    convert("smollm2-135m", output, PlanSpec(full_layers=4, window=64, slots=64), log=lambda *_: None)
     return resolve_model("smollm2-135m"), output
 
 
@@ -44,12 +45,13 @@ def tiny_llama_folder(tmp_path):
 def family(request, tmp_path_factory):
     """(family, original model, original folder, converted folder): 2 of 6 layers full, w=3, M=5."""
     from nha_retrofit.conversion import convert
+    from nha_retrofit.plan import PlanSpec
 
     name = request.param
     folder = tmp_path_factory.mktemp(name)
     original = tiny_family_model(name, seed=3)
     original.save_pretrained(folder / "original")
     FAMILY_TOKENIZERS[name]().save_pretrained(folder / "original")
-    out = convert(folder / "original", folder / "nha", full_layers=2, window=3, slots=5, slot_bias_init=-1.0,
+    out = convert(folder / "original", folder / "nha", PlanSpec(full_layers=2, window=3, slots=5, slot_bias_init=-1.0),
                   log=lambda *_: None)
     return name, original, folder / "original", out

@@ -1,5 +1,6 @@
-"""The package's top level: `nha_retrofit.convert` is the conversion function, loaded on first use; importing the
-package or asking the CLI for help loads neither torch nor transformers; no module imports one that imports it back."""
+"""The package's top level: `nha_retrofit.convert` is the conversion function, loaded on first use, and
+`nha_retrofit.PlanSpec` the plan it takes; importing the package or asking the CLI for help loads neither torch nor
+transformers; no module imports one that imports it back."""
 
 import ast
 import inspect
@@ -22,8 +23,8 @@ def test_convert_is_the_conversion_function(tiny_llama_folder, tmp_path):
 
     assert inspect.isfunction(nha_retrofit.convert) and nha_retrofit.convert is convert is converter_convert
     assert inspect.isfunction(resolve_model) and inspect.isfunction(shards.find_checkpoint)
-    assert "convert" in dir(nha_retrofit) and nha_retrofit.__all__ == ["convert"]
-    nha_retrofit.convert(tiny_llama_folder, tmp_path / "a", full_layers=1, log=lambda *_: None)
+    assert "convert" in dir(nha_retrofit) and nha_retrofit.__all__ == ["PlanSpec", "convert"]
+    nha_retrofit.convert(tiny_llama_folder, tmp_path / "a", nha_retrofit.PlanSpec(full_layers=1), log=lambda *_: None)
     assert (tmp_path / "a" / "config.json").is_file()
 
 

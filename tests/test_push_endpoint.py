@@ -15,6 +15,7 @@ from hub_checkpoints import save_hub_checkpoint, use_local_hub
 from hub_server import GITATTRIBUTES, LocalHub
 from nha_retrofit.conversion import convert
 from nha_retrofit.hub import prepare_upload
+from nha_retrofit.plan import PlanSpec
 
 TOKEN = "hf_owner_token"
 
@@ -23,7 +24,7 @@ TOKEN = "hf_owner_token"
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("push")
     source = save_hub_checkpoint(root / "tiny", seed=21)
-    return convert(source, root / "tiny-nha", full_layers=1, window=3, slots=5, log=lambda *_: None)
+    return convert(source, root / "tiny-nha", PlanSpec(full_layers=1, window=3, slots=5), log=lambda *_: None)
 
 
 @pytest.fixture

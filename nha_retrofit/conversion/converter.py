@@ -18,7 +18,7 @@ from ..atomic import atomic_folder, check_output_folder
 from ..errors import NHARetrofitError
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..modeling.remote_code import write_remote_code
-from ..plan import LayerPlan, build_plan
+from ..plan import LayerPlan, PlanSpec, build_plan
 from .download import TOKENIZER_FILES
 from .resolve import resolve_model
 from .shards import TensorReader, find_checkpoint, write_sharded
@@ -77,15 +77,8 @@ def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
 def convert(
     model: str,
     output: str | Path,
+    spec: PlanSpec = PlanSpec(),
     *,
-    full_layers: int | None = 4,
-    full_layer_ids: list[int] | None = None,
-    select: str = "even",
-    windows: list | None = None,
-    window: int = 64,
-    slots: int = 64,
-    gate_normalizer: float = 8.0,
-    slot_bias_init: float = -4.0,
     gate_init: str = "from_k",
     allow_pickle: bool = False,
     overwrite: bool = False,
@@ -94,22 +87,17 @@ def convert(
     log=print,
 ) -> Path:
     """Convert `model` (local folder, Hub id, or an embedded name such as "smollm2-135m") into an NHA checkpoint at
-    `output`. A Hub id missing from the Hugging Face cache is downloaded into it first (at `revision`, with `token`).
-    Everything is validated before a byte is written; the output appears atomically."""
+    `output`, with the layer plan `spec` asks for. A Hub id missing from the Hugging Face cache is downloaded into it
+    first (at `revision`, with `token`). Everything is validated before a byte is written; the output appears
+    atomically."""
     output = Path(output)
     check_output_folder(output, overwrite)
     if gate_init not in GATE_INITS:
         raise NHARetrofitError(f"--gate-init {gate_init}: choose one of {', '.join(GATE_INITS)}")
-    plan_args = dict(
-        full_layers=full_layers, full_layer_ids=full_layer_ids, select=select, windows=windows, window=window,
-        slots=slots, gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init,
-    )
-    if windows is None:
-        build_plan(max(full_layers or 0, 1), **{**plan_args, "full_layer_ids": None, "full_layers": 0})  # early
     # the config first: a model the plan or the family rules out is refused before any weight is downloaded
     source = resolve_model(model, revision=revision, token=token, weights=False)
     source_config = read_source_config_dict(source)
-    plan = build_plan(source_config["num_hidden_layers"], **plan_args)
+    plan = build_plan(source_config["num_hidden_layers"], spec)
     model_class, config = nha_config_for(source_config, plan)
     source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
     checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)

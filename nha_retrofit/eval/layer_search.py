@@ -11,6 +11,7 @@ were ranked on, so the comparison is not flattered by the choice.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -21,7 +22,7 @@ from ..conversion.converter import build_nha_model
 from ..conversion.resolve import resolve_model
 from ..conversion.source import read_source_config_dict
 from ..errors import NHARetrofitError
-from ..plan import build_plan, select_full_layers
+from ..plan import PlanSpec, build_plan, select_full_layers
 from .speed import resolve_device
 from .texts import HELDOUT_TEXTS, load_heldout_tokens
 
@@ -75,16 +76,20 @@ class Scorer:
 
 
 @torch.no_grad()
-def search_full_layers(model: str, *, full_layers: int = 4, window: int = 64, slots: int = 64,
-                       gate_normalizer: float = 8.0, slot_bias_init: float = -4.0, texts=("python-stdlib",),
-                       check_texts=("python-docs",), max_tokens: int = 2048, chunk_len: int = 512, device: str = "auto", progress: bool = False
-                       ) -> dict:
-    """Rank layers by the KL divergence their conversion alone causes; keep the `full_layers` highest full.
-    Returns per-layer scores, the chosen ids, and the chosen and evenly spaced plans scored whole."""
+def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("python-stdlib",),
+                       check_texts=("python-docs",), max_tokens: int = 2048, chunk_len: int = 512, device: str = "auto",
+                       progress: bool = False) -> dict:
+    """Rank layers by the KL divergence their conversion alone causes; keep the `spec.full_layers` highest full
+    (the other fields of `spec` set the NHA layers). Returns per-layer scores, the chosen ids, and the chosen and
+    evenly spaced plans scored whole."""
+    if spec.full_layer_ids is not None or spec.windows is not None:
+        raise NHARetrofitError("the search chooses the full layers: give it their count, not their ids or windows")
     source = resolve_model(model)
     num_layers = read_source_config_dict(source)["num_hidden_layers"]
-    settings = dict(window=window, slots=slots, gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init)
-    build_plan(num_layers, full_layers=full_layers, **settings)  # the plan's errors before any weight is read
+    build_plan(num_layers, spec)  # the plan's errors before any weight is read
+    full_layers, window = spec.full_layers, spec.window
+    settings = dict(window=window, slots=spec.slots, gate_normalizer=spec.gate_normalizer,
+                    slot_bias_init=spec.slot_bias_init)
     unknown = [t for t in (*texts, *check_texts) if t not in HELDOUT_TEXTS]
     if unknown:
         raise NHARetrofitError(f"unknown text {unknown[0]!r}; available: {', '.join(HELDOUT_TEXTS)}")
@@ -92,7 +97,7 @@ def search_full_layers(model: str, *, full_layers: int = 4, window: int = 64, sl
     chunks = heldout_chunks(tokenizer, texts, max_tokens, chunk_len)
     check_chunks = heldout_chunks(tokenizer, check_texts, max_tokens, chunk_len)
     target = resolve_device(device)
-    nha = build_nha_model(source, build_plan(num_layers, full_layers=0, **settings))
+    nha = build_nha_model(source, build_plan(num_layers, dataclasses.replace(spec, full_layers=0)))
     nha = nha.to(target).float() if target.type == "cpu" else nha.to(target)  # CPU bf16 matmuls are slow
     single = {i: [window if j == i else None for j in range(num_layers)] for i in range(num_layers)}
 

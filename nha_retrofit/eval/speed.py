@@ -30,6 +30,7 @@ from ..errors import NHARetrofitError
 from ..modeling.modeling_nha import _CACHE_ARGUMENT, _DECODE_SDPA_BACKENDS
 from ..modeling.decode_graph import DecodeGraph
 from ..modeling.nha_cache import NHACacheLayer, NHAStaticCache, copy_repeated
+from ..plan import PlanSpec, build_plan
 from .compare import nha_checkpoint_class
 from .texts import load_heldout_tokens
 
@@ -514,18 +515,17 @@ def benchmark_checkpoint(folder, contexts=(512, 2048), *, device: str = "auto", 
     return {"model": {"name": Path(folder).name, "checkpoint": str(folder)}, **report}
 
 
-def benchmark_random_weights(name_or_path: str, plan_arguments: dict, *, layers: int | None = None,
+def benchmark_random_weights(name_or_path: str, spec: PlanSpec, *, layers: int | None = None,
                              contexts=(512, 2048), device: str = "auto", dtype: str = "auto", **options) -> dict:
     """`run_benchmark` on a model built from a config alone (a named one or a config.json, `bench.random_weights`),
-    converted with the plan `plan_arguments` (as `plan.build_plan` takes them), random weights in `dtype`."""
+    converted with the plan `spec` asks for, random weights in `dtype`."""
     from ..bench.random_weights import random_nha_model, random_weights_config
-    from ..plan import build_plan
 
     name, config = random_weights_config(name_or_path)
     if layers is not None and not 1 <= layers <= config["num_hidden_layers"]:
         raise NHARetrofitError(f"--layers {layers}: the model has 1..{config['num_hidden_layers']} layers")
     num_layers = layers or config["num_hidden_layers"]
-    plan = build_plan(num_layers, **plan_arguments)
+    plan = build_plan(num_layers, spec)
     check_options(config.get("max_position_embeddings") or 2048, contexts, **options)
     target = resolve_device(device)
     model = random_nha_model(config, plan, target, resolve_dtype(dtype, target), layers=layers)

@@ -30,8 +30,7 @@ def resolve_source(spec: ModelSection) -> ModelSource:
     from ..conversion.converter import CONVERSION_RECORD
     from ..conversion.resolve import resolve_model
     from ..conversion.source import read_source_config_dict
-    from ..plan import build_plan
-    from .recipe import ConvertSection
+    from ..plan import PlanSpec, PlanSpecError, build_plan
 
     folder = resolve_model(spec.path, revision=spec.revision, weights=False)
     try:
@@ -49,12 +48,10 @@ def resolve_source(spec: ModelSection) -> ModelSource:
         original = record.get("source", str(original_path)) if record else "unknown"
         return ModelSource(folder, True, original, original_path, None, record, spec)
     config = read_source_config_dict(folder)
-    c = spec.convert or ConvertSection()
-    plan = build_plan(
-        config["num_hidden_layers"], full_layers=len(c.full_layer_ids) if c.full_layer_ids else c.full_layers,
-        full_layer_ids=c.full_layer_ids, window=c.window, slots=c.slots, gate_normalizer=c.gate_normalizer,
-        slot_bias_init=c.slot_bias_init,
-    )
+    try:
+        plan = build_plan(config["num_hidden_layers"], spec.convert or PlanSpec())
+    except PlanSpecError as error:
+        raise NHARetrofitError(f"recipe key model.convert.{error.field}: {error.detail}") from None
     return ModelSource(folder, False, spec.path, folder, plan, None, spec)
 
 

@@ -1,236 +1,249 @@
 """The finetuning recipe: a typed, validated YAML file.
 
-Every section is a dataclass; `load_recipe` reads the YAML, applies `--set key.sub=value` overrides, and checks
-every key and value. Unknown keys, wrong types and impossible values raise NHARetrofitError naming the key
-(e.g. `recipe key train.lr: expected a number, got 'fast'`).
+Every section is a pydantic model; `load_recipe` reads the YAML, applies `--set key.sub=value` overrides and validates
+every key and value at once. The problems found are reported together, in one NHARetrofitError line, each named by
+its key (`recipe key train.lr: expected a number, got 'fast'`); an unknown key is told the closest known one.
+`model.convert` is a `plan.PlanSpec`: its defaults and checks are the plan's own.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import importlib.util
-import math
 import sysconfig
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from ..errors import NHARetrofitError
+from ..plan import PlanSpec, PlanSpecError
+
+AtLeastOne = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
 
 
-@dataclass
-class ConvertSection:
-    """Conversion plan applied on the fly when `model.path` is an original (not yet converted) model."""
+class KeyProblem(ValueError):
+    """A check across keys failed; `key` names the key it blames, below the section that checks it."""
 
-    full_layers: int | None = 4
-    full_layer_ids: list[int] | None = None
-    window: int = 64
-    slots: int = 64
-    gate_normalizer: float = 8.0
-    slot_bias_init: float = -4.0
+    def __init__(self, key: str, detail: str):
+        super().__init__(detail)
+        self.key = key
 
 
-@dataclass
-class ModelSection:
+def known_heldout_text(name: str) -> str:
+    from ..eval.texts import HELDOUT_TEXTS
+
+    if name not in HELDOUT_TEXTS:
+        raise ValueError(f"{name!r}: choose from {', '.join(HELDOUT_TEXTS)}")
+    return name
+
+
+class Section(BaseModel):
+    """YAML as people write it: numbers may stand for strings, booleans must be true or false, no inf or nan."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+
+
+class ModelSection(Section):
     path: str = ""  # a converted NHA checkpoint, or an original model (folder, Hub id, 'smollm2-135m')
     revision: str | None = None  # branch, tag or commit of a Hub id path (default: main); token: HF_TOKEN or login
-    convert: ConvertSection | None = None  # plan for an original model (defaults: the paper's 4 full, w=64, M=64)
+    convert: PlanSpec | None = None  # plan for an original model (omitted keys: PlanSpec's defaults)
 
 
-@dataclass
-class SyntheticSection:
+class SyntheticSection(Section):
     """Recall exercises mixed into the training blocks (`finetune/synthetic.py`)."""
 
-    share: float = 0.0  # of training blocks turned into an exercise; 0 disables them
-    records: int = 4  # record lines written into an exercise block (some asked back at its end)
+    share: Annotated[float, Field(ge=0, le=1)] = 0.0  # of training blocks turned into an exercise; 0 disables them
+    records: AtLeastOne = 4  # record lines written into an exercise block (some asked back at its end)
 
 
-@dataclass
-class DataSection:
-    files: list[str] = field(default_factory=list)  # local files or globs: text (.txt .md .py ...), .jsonl/.json, .parquet
-    exclude: list[str] = field(default_factory=list)  # globs removed from `files` (e.g. the held-out texts)
+class DataSection(Section):
+    files: list[str] = []  # local files or globs: text (.txt .md .py ...), .jsonl/.json, .parquet
+    exclude: list[str] = []  # globs removed from `files` (e.g. the held-out texts)
     dataset: str | None = None  # a Hugging Face Hub dataset, streamed (e.g. cerebras/SlimPajama-627B)
     dataset_config: str | None = None
     split: str = "train"
     text_field: str = "text"
-    seq_len: int = 2048  # tokens per packed training block (documents joined with EOS separators)
-    eval_blocks: int = 8  # held-out blocks of seq_len, from documents never trained on
+    seq_len: Annotated[int, Field(ge=2)] = 2048  # tokens per packed training block (documents joined with EOS)
+    eval_blocks: Count = 8  # held-out blocks of seq_len, from documents never trained on
     seed: int = 0  # document split and shuffle order
-    shuffle_buffer: int = 10000  # documents in the streaming shuffle buffer (Hub datasets)
-    synthetic: SyntheticSection = field(default_factory=SyntheticSection)
+    shuffle_buffer: AtLeastOne = 10000  # documents in the streaming shuffle buffer (Hub datasets)
+    synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
 
 
-@dataclass
-class LoraSection:
-    r: int = 16
+class LoraSection(Section):
+    r: AtLeastOne = 16
     alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: Annotated[list[str], Field(min_length=1)] = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-@dataclass
-class TrainSection:
+class TrainSection(Section):
     trainable: Literal["attention", "gates", "lora", "full"] = "attention"
-    lora: LoraSection = field(default_factory=LoraSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    lr: Positive = 2e-4
+    weight_decay: NonNegative = 0.0
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [0.9, 0.95]
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 10  # per stage
-    min_lr_ratio: float = 0.1  # cosine / linear decay floor, as a fraction of the stage's lr
-    batch_size: int = 1  # blocks per process per micro-step
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0  # 0 = no clipping
+    warmup_steps: Count = 10  # per stage
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1  # cosine / linear decay floor, a fraction of the lr
+    batch_size: AtLeastOne = 1  # blocks per process per micro-step
+    grad_accum: AtLeastOne = 1
+    max_grad_norm: NonNegative = 1.0  # 0 = no clipping
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: StrictBool = False
     seed: int = 0
     output_dir: str = "outputs/finetune"
-    checkpoint_every: int = 100  # optimizer steps between checkpoints (a checkpoint is always written at the end)
-    keep_checkpoints: int = 1
-    eval_every: int = 0  # optimizer steps between held-out evaluations (0: only before and after)
-    log_every: int = 1
-    tensorboard: bool = False
-    stop_after_steps: int | None = None  # stop (checkpointed, no export) after this global step; resume later
-    threads: int | None = None  # torch CPU threads (None: torch's default)
+    checkpoint_every: Count = 100  # optimizer steps between checkpoints (a checkpoint is always written at the end)
+    keep_checkpoints: AtLeastOne = 1
+    eval_every: Count = 0  # optimizer steps between held-out evaluations (0: only before and after)
+    log_every: AtLeastOne = 1
+    tensorboard: StrictBool = False
+    stop_after_steps: AtLeastOne | None = None  # stop (checkpointed, no export) after this global step; resume later
+    threads: AtLeastOne | None = None  # torch CPU threads (None: torch's default)
 
 
-@dataclass
-class TransferStage:
+class TransferStage(Section):
     """Stage 1: each NHA layer's output is pulled (MSE) towards the full attention output of its own projections."""
 
-    tokens: int = 0  # 0 disables the stage
-    lr: float | None = None  # None: train.lr
+    tokens: Count = 0  # 0 disables the stage
+    lr: Positive | None = None  # None: train.lr
 
 
-@dataclass
-class LMStage:
+class LMStage(Section):
     """Stage 2: next-token cross-entropy, plus KL to the teacher (the same model with every window full)."""
 
-    tokens: int = 0  # 0 disables the stage
-    lr: float | None = None
-    ce_weight: float = 1.0
-    distill_weight: float = 0.0
-    temperature: float = 1.0
+    tokens: Count = 0  # 0 disables the stage
+    lr: Positive | None = None
+    ce_weight: NonNegative = 1.0
+    distill_weight: NonNegative = 0.0
+    temperature: Positive = 1.0
+
+    @model_validator(mode="after")
+    def some_loss(self):
+        if self.tokens and self.ce_weight + self.distill_weight == 0:
+            raise KeyProblem("", "ce_weight + distill_weight is 0")
+        return self
 
 
-@dataclass
-class StagesSection:
-    attention_transfer: TransferStage = field(default_factory=TransferStage)
-    lm: LMStage = field(default_factory=LMStage)
+class StagesSection(Section):
+    attention_transfer: TransferStage = Field(default_factory=TransferStage)
+    lm: LMStage = Field(default_factory=LMStage)
 
 
-@dataclass
-class EvalSection:
-    heldout_texts: list[str] = field(default_factory=list)  # nha_retrofit.eval texts: python-stdlib, shakespeare
+class EvalSection(Section):
+    heldout_texts: list[Annotated[str, AfterValidator(known_heldout_text)]] = []  # nha_retrofit.eval texts
     heldout_max_tokens: int = 8192
-    heldout_chunk_len: int = 1024
-    before: bool = True  # also score the held-out texts before training (original and converted)
+    heldout_chunk_len: Annotated[int, Field(ge=2)] = 1024
+    before: StrictBool = True  # also score the held-out texts before training (original and converted)
+
+    @model_validator(mode="after")
+    def whole_chunks(self):
+        if self.heldout_max_tokens < self.heldout_chunk_len:
+            raise KeyProblem("heldout_max_tokens", "must be >= eval.heldout_chunk_len")
+        return self
 
 
-@dataclass
-class ExportSection:
-    enabled: bool = True
+class ExportSection(Section):
+    enabled: StrictBool = True
     folder: str | None = None  # default: <train.output_dir>/model
 
 
-@dataclass
-class Recipe:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    stages: StagesSection = field(default_factory=StagesSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    export: ExportSection = field(default_factory=ExportSection)
+class Recipe(Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    stages: StagesSection = Field(default_factory=StagesSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+
+    @model_validator(mode="after")
+    def something_to_train(self):
+        """The checks that hold even when a section is left out."""
+        if not self.model.path:
+            raise KeyProblem("model.path", "required: a converted NHA checkpoint, or an original model to convert on "
+                                           "the fly")
+        if bool(self.data.files) == bool(self.data.dataset):
+            raise KeyProblem("data", "give exactly one of data.files (local) or data.dataset (Hub)")
+        if self.stages.attention_transfer.tokens + self.stages.lm.tokens == 0:
+            raise KeyProblem("stages", "both stages have tokens 0: nothing to train")
+        return self
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+EXPECTED = {"float": "a number", "int": "an integer", "bool": "true or false", "string": "a string", "list": "a list",
+            "tuple": "a list", "model": "a mapping", "dataclass": "a mapping", "finite": "a finite number"}
+BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+          "less_than_equal": ("le", "<=")}
+
+
+def key_path(loc) -> str:
+    """('train', 'betas', 0) -> 'train.betas[0]'."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+
+
+def keys_at(loc) -> dict:
+    """Name -> annotation of the keys of the section at `loc` (a model or PlanSpec)."""
+    section = Recipe
+    for part in loc:
+        annotation = keys_of(section).get(part)
+        section = next((a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type)), None)
+        if section is None:
+            return {}
+    return keys_of(section)
+
+
+def keys_of(section: type) -> dict:
+    if issubclass(section, BaseModel):
+        return {name: field.annotation for name, field in section.model_fields.items()}
+    return typing.get_type_hints(section) if hasattr(section, "__dataclass_fields__") else {}
+
+
+def describe(error: dict) -> str:
+    """One pydantic error as `recipe key <path>: <problem>`."""
+    loc, kind, value = list(error["loc"]), error["type"], error.get("input")
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, PlanSpecError):
+        loc.append(cause.field)
+        text = cause.detail
+    elif isinstance(cause, KeyProblem):
+        loc += [part for part in cause.key.split(".") if part]
+        text = str(cause)
+    elif isinstance(cause, ValueError):
+        text = str(cause)
+    elif kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        known = keys_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        text = f"unknown key, did you mean {close[0]}?" if close else (
+            f"unknown key ({key_path(loc[:-1]) or 'the recipe'} accepts {', '.join(sorted(known))})")
+    elif kind == "literal_error":
+        choices = typing.get_args(keys_at(loc[:-1]).get(loc[-1]))
+        text = f"expected one of {', '.join(map(str, choices))}, got {value!r}"
+    elif kind.split("_")[0] in EXPECTED:
+        text = f"expected {EXPECTED[kind.split('_')[0]]}, got {value!r}"
+    elif kind in BOUNDS:
+        name, sign = BOUNDS[kind]
+        text = f"{value!r}: must be {sign} {error['ctx'][name]:g}"
+    elif kind in ("too_short", "too_long"):
+        least = kind == "too_short"
+        count = error["ctx"]["min_length" if least else "max_length"]
+        text = f"{value!r}: expected {'at least' if least else 'at most'} {count} item{'s' * (count != 1)}"
+    else:
+        text = error["msg"]
+    return f"recipe key {key_path(loc) or 'the recipe'}: {text}"
 
 
 # --------------------------------------------------------------------------------------------------- parsing
-
-
-def _type_name(tp) -> str:
-    if tp is float:
-        return "a number"
-    if tp is int:
-        return "an integer"
-    if tp is bool:
-        return "true or false"
-    if tp is str:
-        return "a string"
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(tp)))
-    if typing.get_origin(tp) is list:
-        return "a list"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    return str(tp)
-
-
-def _coerce(value, tp, key: str):
-    """`value` as type `tp`, or NHARetrofitError naming `key`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, options[0], key)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise NHARetrofitError(f"recipe key {key}: expected a mapping, got {value!r}")
-        return _build(tp, value, key + ".")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise NHARetrofitError(f"recipe key {key}: expected {_type_name(tp)}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise NHARetrofitError(f"recipe key {key}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise NHARetrofitError(f"recipe key {key}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**62:
-            value = int(value)  # 10e9 in YAML is a float
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise NHARetrofitError(f"recipe key {key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise NHARetrofitError(f"recipe key {key}: expected a number, got {value!r}")
-        if not math.isfinite(value):
-            raise NHARetrofitError(f"recipe key {key}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise NHARetrofitError(f"recipe key {key}: expected a string, got {value!r}")
-        return str(value)
-    raise TypeError(f"unsupported recipe type {tp}")
-
-
-def _build(cls, values: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = [k for k in values if k not in names]
-    if unknown:
-        raise NHARetrofitError(
-            f"recipe key {prefix}{unknown[0]}: unknown key; {prefix.rstrip('.') or 'the recipe'} accepts "
-            + ", ".join(sorted(names))
-        )
-    return cls(**{k: _coerce(v, hints[k], prefix + k) for k, v in values.items()})
 
 
 def parse_override(text: str) -> tuple[list[str], object]:
@@ -274,8 +287,10 @@ def load_recipe(source: str | Path | dict, overrides: list[str] = ()) -> Recipe:
         raise NHARetrofitError(f"recipe {source}: the top level must be a mapping of sections")
     for text in overrides:
         apply_override(raw, *parse_override(text))
-    recipe = _build(Recipe, raw)
-    validate(recipe)
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as error:
+        raise NHARetrofitError("; ".join(describe(e) for e in error.errors())) from None
     recipe.data.files = [expand_path(p, base) for p in recipe.data.files]
     recipe.data.exclude = [expand_path(p, base) for p in recipe.data.exclude]
     return recipe
@@ -300,56 +315,3 @@ def expand_path(pattern: str, base: Path) -> str:
             f"recipe key data.files: {pattern!r} uses an unknown placeholder {error}; "
             "available: {stdlib}, {shakespeare}, {recipe_dir}"
         ) from None
-
-
-def validate(recipe: Recipe) -> None:
-    """Impossible values, named by key."""
-
-    def need(ok, key, message):
-        if not ok:
-            raise NHARetrofitError(f"recipe key {key}: {message}")
-
-    m, d, t, s, e = recipe.model, recipe.data, recipe.train, recipe.stages, recipe.eval
-    need(m.path, "model.path", "required: a converted NHA checkpoint, or an original model to convert on the fly")
-    if m.convert is not None:
-        c = m.convert
-        need(c.window >= 0, "model.convert.window", f"{c.window}: a window is an integer >= 0")
-        need(c.slots >= 1, "model.convert.slots", f"{c.slots}: at least one slot is needed")
-        need(c.gate_normalizer > 0, "model.convert.gate_normalizer", "must be > 0")
-    need(bool(d.files) != bool(d.dataset), "data", "give exactly one of data.files (local) or data.dataset (Hub)")
-    need(d.seq_len >= 2, "data.seq_len", f"{d.seq_len}: at least 2 tokens")
-    need(d.eval_blocks >= 0, "data.eval_blocks", "must be >= 0")
-    need(d.shuffle_buffer >= 1, "data.shuffle_buffer", "must be >= 1")
-    need(0 <= d.synthetic.share <= 1, "data.synthetic.share", "must be in [0, 1]")
-    need(d.synthetic.records >= 1, "data.synthetic.records", "must be >= 1")
-    need(t.lr > 0, "train.lr", f"{t.lr}: must be > 0")
-    need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-    need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "two numbers in [0, 1)")
-    need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-    need(t.batch_size >= 1, "train.batch_size", "must be >= 1")
-    need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-    need(t.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = no clipping)")
-    need(t.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
-    need(t.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-    need(t.eval_every >= 0, "train.eval_every", "must be >= 0")
-    need(t.log_every >= 1, "train.log_every", "must be >= 1")
-    need(t.stop_after_steps is None or t.stop_after_steps >= 1, "train.stop_after_steps", "must be >= 1")
-    need(t.threads is None or t.threads >= 1, "train.threads", "must be >= 1")
-    need(t.lora.r >= 1, "train.lora.r", "must be >= 1")
-    need(0 <= t.lora.dropout < 1, "train.lora.dropout", "must be in [0, 1)")
-    need(t.lora.target_modules, "train.lora.target_modules", "must name at least one projection")
-    need(s.attention_transfer.tokens >= 0, "stages.attention_transfer.tokens", "must be >= 0")
-    need(s.lm.tokens >= 0, "stages.lm.tokens", "must be >= 0")
-    need(s.attention_transfer.tokens + s.lm.tokens > 0, "stages", "both stages have tokens 0: nothing to train")
-    for key, lr in (("stages.attention_transfer.lr", s.attention_transfer.lr), ("stages.lm.lr", s.lm.lr)):
-        need(lr is None or lr > 0, key, "must be > 0")
-    need(s.lm.ce_weight >= 0 and s.lm.distill_weight >= 0, "stages.lm", "ce_weight and distill_weight must be >= 0")
-    need(s.lm.tokens == 0 or s.lm.ce_weight + s.lm.distill_weight > 0, "stages.lm", "ce_weight + distill_weight is 0")
-    need(s.lm.temperature > 0, "stages.lm.temperature", "must be > 0")
-    from ..eval.texts import HELDOUT_TEXTS
-
-    for i, name in enumerate(e.heldout_texts):
-        need(name in HELDOUT_TEXTS, f"eval.heldout_texts[{i}]", f"{name!r}: choose from {', '.join(HELDOUT_TEXTS)}")
-    need(e.heldout_chunk_len >= 2, "eval.heldout_chunk_len", "must be >= 2")
-    need(e.heldout_max_tokens >= e.heldout_chunk_len, "eval.heldout_max_tokens", "must be >= eval.heldout_chunk_len")

@@ -1,7 +1,10 @@
 """Configuration of NHA hybrids: the original family's config plus the layer plan.
 
 Saved in config.json as `nha_windows` (one entry per layer: an int window, or null for a full-attention
-layer), `nha_num_slots`, `nha_gate_normalizer` and `nha_slot_bias_init`.
+layer), `nha_num_slots`, `nha_gate_normalizer` and `nha_slot_bias_init`. A conversion writes all four, chosen by the
+plan (`nha_retrofit.plan.PlanSpec` owns the conversion defaults); `NHA_DEFAULTS` only fill in a config that lacks a
+field, so they are part of the checkpoint format and do not follow the conversion defaults. This file ships inside
+every checkpoint as remote code and imports nothing from nha_retrofit.
 """
 
 from dataclasses import dataclass

@@ -14,7 +14,7 @@ from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
 from nha_retrofit.bench.report import format_report
 from nha_retrofit.eval.speed import original_sharing_weights, run_benchmark
 from nha_retrofit.modeling import nha_cache
-from nha_retrofit.plan import build_plan
+from nha_retrofit.plan import PlanSpec, build_plan
 
 TINY_CONFIG = {
     "model_type": "qwen2", "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
@@ -33,7 +33,7 @@ def config_file(tmp_path):
 
 
 def tiny_model(windows=(8, None, 8, 0)):
-    plan = build_plan(4, windows=list(windows), slots=16)
+    plan = build_plan(4, PlanSpec(windows=list(windows), slots=16))
     torch.manual_seed(0)
     return random_nha_model(TINY_CONFIG, plan, "cpu", torch.float32)
 
@@ -54,7 +54,7 @@ def test_named_configs_have_the_published_sizes(name, parameters):
 
 
 def test_random_weights_are_made_in_the_asked_dtype():
-    model = random_nha_model(TINY_CONFIG, build_plan(4, full_layers=1), "cpu", torch.bfloat16)
+    model = random_nha_model(TINY_CONFIG, build_plan(4, PlanSpec(full_layers=1)), "cpu", torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32 and model.model.rotary_emb.inv_freq.abs().min() > 0
     assert all(p.std() > 0 for name, p in model.named_parameters() if name.endswith("proj.weight"))

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from fresh_process import run_without_nha_retrofit
 from nha_retrofit.conversion import convert
 from nha_retrofit.eval.compare import load_nha_checkpoint
+from nha_retrofit.plan import PlanSpec
 from real_tokenizers import FAMILY_TOKENIZERS
 from tiny_models import tiny_family_model
 
@@ -84,7 +85,7 @@ def test_fresh_process_remote_code_without_nha_retrofit(family, tmp_path):
 def test_bf16_checkpoint_keeps_its_dtype(tmp_path):
     model = tiny_family_model("qwen2.5").to(torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
-    out = convert(tmp_path / "bf16", tmp_path / "nha", full_layers=1, log=lambda *_: None)
+    out = convert(tmp_path / "bf16", tmp_path / "nha", PlanSpec(full_layers=1), log=lambda *_: None)
     from safetensors import safe_open
 
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]

@@ -63,11 +63,12 @@ def converted_checkpoint(folder, tokenizer, seed, record_update=None):
     """A tiny random Llama with `tokenizer`'s vocabulary (512 positions), converted: layer 0 full, layers 1-3 NHA
     (window 8, 5 slots). `record_update` is merged into its nha_conversion.json (a finetuning summary, say)."""
     from nha_retrofit.conversion import convert
+    from nha_retrofit.plan import PlanSpec
 
     tiny_llama(seed=seed, vocab_size=len(tokenizer)).save_pretrained(folder / "original")
     tokenizer.save_pretrained(folder / "original")
-    out = convert(folder / "original", folder / "nha", full_layer_ids=[0], window=WINDOW, slots=SLOTS,
-                  slot_bias_init=-1.0, log=lambda *_: None)
+    out = convert(folder / "original", folder / "nha",
+                  PlanSpec(full_layer_ids=[0], window=WINDOW, slots=SLOTS, slot_bias_init=-1.0), log=lambda *_: None)
     if record_update:
         record_path = out / "nha_conversion.json"
         record_path.write_text(json.dumps({**json.loads(record_path.read_text()), **record_update}))

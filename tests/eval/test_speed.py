@@ -12,7 +12,7 @@ from nha_retrofit.conversion import convert
 from nha_retrofit.eval.compare import load_nha_checkpoint
 from nha_retrofit.eval.speed import benchmark_checkpoint, context_tokens, decode_room, original_sharing_weights
 from nha_retrofit.eval.texts import load_heldout_tokens
-from nha_retrofit.plan import nha_state_bytes
+from nha_retrofit.plan import PlanSpec, nha_state_bytes
 from tiny_models import TINY_LLAMA, tiny_llama
 
 WINDOW, SLOTS = 8, 5
@@ -23,7 +23,7 @@ def checkpoint(tmp_path_factory):
     """A tiny converted Llama without a tokenizer: layer 0 full, layers 1-3 NHA (w=8, M=5)."""
     folder = tmp_path_factory.mktemp("bench")
     tiny_llama(seed=11).save_pretrained(folder / "original")
-    return convert(folder / "original", folder / "nha", full_layer_ids=[0], window=WINDOW, slots=SLOTS,
+    return convert(folder / "original", folder / "nha", PlanSpec(full_layer_ids=[0], window=WINDOW, slots=SLOTS),
                    log=lambda *_: None)
 
 

@@ -193,8 +193,10 @@ def test_frozen_matrices_kept_in_bf16_compute_what_fp32_weights_compute(tmp_path
     spec = load_recipe(tiny_recipe(tmp_path / "bf16", tmp_path, "unused"))
     if converted:  # a converted checkpoint, rather than the original converted on the fly
         from nha_retrofit.conversion import convert
+        from nha_retrofit.plan import PlanSpec
 
-        convert(str(tmp_path / "bf16"), tmp_path / "nha", full_layers=1, window=4, slots=4, log=lambda *_: None)
+        convert(str(tmp_path / "bf16"), tmp_path / "nha", PlanSpec(full_layers=1, window=4, slots=4),
+                log=lambda *_: None)
         spec.model.path, spec.model.convert = str(tmp_path / "nha"), None
     source = resolve_source(spec.model)
     reference = select_trainable(load_model(source, torch.float32), spec.train)

@@ -1,5 +1,6 @@
 """Recipe schema: typed keys, overrides, errors that name the key; every shipped recipe passes --dry-run."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ def test_defaults_and_types():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        (minimal(trian={}), "recipe key trian: unknown key"),
-        (minimal(train={"lrr": 1}), "recipe key train.lrr: unknown key"),
+        (minimal(trian={}), "recipe key trian: unknown key, did you mean train?"),
+        (minimal(train={"lrr": 1}), "recipe key train.lrr: unknown key, did you mean lr?"),
+        (minimal(train={"xyz": 1}), "recipe key train.xyz: unknown key (train accepts batch_size, betas,"),
         (minimal(train={"lr": "fast"}), "recipe key train.lr: expected a number"),
         (minimal(train={"lr": -1.0}), "recipe key train.lr: -1.0: must be > 0"),
         (minimal(train={"batch_size": 1.5}), "recipe key train.batch_size: expected an integer"),
@@ -36,12 +38,39 @@ def test_defaults_and_types():
         (minimal(data={"files": ["a"], "dataset": "b/c"}), "recipe key data: give exactly one"),
         (minimal(stages={"lm": {"tokens": 0}}), "recipe key stages: both stages have tokens 0"),
         (minimal(eval={"heldout_texts": ["poems"]}), "recipe key eval.heldout_texts[0]: 'poems'"),
+        (minimal(train={"betas": [0.9, 1.0]}), "recipe key train.betas[1]: 1.0: must be < 1"),
+        (minimal(data={"files": ["a"], "synthetic": {"share": 1.5}}), "recipe key data.synthetic.share: 1.5: must be <= 1"),
+        (minimal(train={"lr": float("nan")}), "recipe key train.lr: expected a finite number"),
+        (minimal(model={"path": "x", "convert": {"slots": 0}}), "recipe key model.convert.slots: 0: at least one slot"),
+        (minimal(model={"path": "x", "convert": {"widow": 32}}), "recipe key model.convert.widow: unknown key, did you "
+                                                                 "mean window?"),
         ({"data": {"files": ["a"]}, "stages": {"lm": {"tokens": 1}}}, "recipe key model.path: required"),
     ],
 )
 def test_errors_name_the_key(raw, message):
-    with pytest.raises(NHARetrofitError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(NHARetrofitError, match=re.escape(message)):
         load_recipe(raw)
+
+
+def test_every_error_is_reported_on_one_line():
+    with pytest.raises(NHARetrofitError) as caught:
+        load_recipe(minimal(train={"lrr": 1e-4, "batch_size": 0, "tensorboard": 1}, data={"files": ["a"], "seq_len": 1}))
+    assert str(caught.value).split("; ") == [
+        "recipe key data.seq_len: 1: must be >= 2",
+        "recipe key train.batch_size: 0: must be >= 1",
+        "recipe key train.tensorboard: expected true or false, got 1",
+        "recipe key train.lrr: unknown key, did you mean lr?",
+    ]
+
+
+def test_the_convert_section_is_a_plan_spec():
+    """`model.convert: {}` is PlanSpec's defaults; its keys are PlanSpec's, `--set` reaches them."""
+    from nha_retrofit.plan import PlanSpec
+
+    assert load_recipe(minimal(model={"path": "x", "convert": {}})).model.convert == PlanSpec()
+    recipe = load_recipe(minimal(), ["model.convert.full_layer_ids=[2, 9]", "model.convert.select=last"])
+    assert recipe.model.convert == PlanSpec(full_layer_ids=(2, 9), select="last")
+    assert recipe.as_dict()["model"]["convert"]["full_layers"] == 2
 
 
 def test_overrides(tmp_path):
@@ -84,6 +113,13 @@ def test_every_recipe_dry_runs(name, tiny_world):
     plan = finetune(RECIPES / name, overrides, dry_run=True, log=lambda *_: None)
     assert plan["total_steps"] >= 1 and plan["trainable_parameters"] > 0
     assert plan["total_tokens"] >= raw["stages"]["lm"]["tokens"]
+
+
+def test_a_plan_the_model_cannot_take_names_the_recipe_key(tiny_world, tmp_path):
+    model, data, _ = tiny_world
+    recipe = tiny_recipe(model, data, tmp_path / "run", model={"convert": {"full_layer_ids": [99]}})
+    with pytest.raises(NHARetrofitError, match=r"^recipe key model.convert.full_layer_ids: 99: out of range, the model"):
+        finetune(recipe, dry_run=True, log=lambda *_: None)
 
 
 def test_demo_recipe_dry_runs_with_its_real_model(tmp_path, smollm2_nha):
