@@ -78,7 +78,8 @@ def profile_prefill(model, length: int) -> dict:
 
 
 def family_model(config: dict, device: str, dtype, quick: bool):
-    spec = PlanSpec(full_layers=1, window=8, slots=16) if quick else PlanSpec(full_layers=4, window=64, slots=64)
+    spec = PlanSpec(full_layers=1, select="even", window=8, slots=16) if quick else \
+        PlanSpec(full_layers=4, select="even", window=64, slots=64)
     plan = build_plan(config["num_hidden_layers"], spec)
     return plan, random_nha_model(config, plan, device, dtype)
 

@@ -138,7 +138,13 @@ def plan(
 
     spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
     config = read_source_config_dict(resolve_model(model, revision=revision, token=token, weights=False))
-    typer.echo(plan_table(config, spec))
+    ranking = None
+    if spec.needs_ranking:  # the retrieval probe reads the weights (downloaded for a Hub id)
+        from .conversion.layer_ranking import layer_retrieval_scores, rank_layers
+
+        ranking = rank_layers(layer_retrieval_scores(resolve_model(model, revision=revision, token=token),
+                                                     log=lambda line: typer.echo(line, err=True)))
+    typer.echo(plan_table(config, spec, ranking))
 
 
 @app.command("eval")

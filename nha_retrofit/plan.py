@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import NHARetrofitError
 
-SELECTIONS = ("even", "first", "last")
+SELECTIONS = ("retrieval", "even", "first", "last")
 
 
 class PlanSpecError(NHARetrofitError, ValueError):
@@ -26,13 +26,15 @@ class PlanSpecError(NHARetrofitError, ValueError):
 class PlanSpec:
     """A conversion plan before the model's layer count is known. The full layers come from, in this order of
     precedence: `windows` (one per layer, None = full), `full_layer_ids`, or `full_layers` placed by `select`; the
-    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count."""
+    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count.
+    `select="retrieval"` keeps the layers that hold the original's retrieval heads (`conversion/layer_ranking.py`):
+    the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep)."""
 
-    full_layers: int = 4
-    select: str = "even"
+    full_layers: int = 5
+    select: str = "retrieval"
     full_layer_ids: tuple[int, ...] | None = None
     windows: tuple[int | None, ...] | None = None
-    window: int = 64
+    window: int = 256
     slots: int = 64
     gate_normalizer: float = 8.0
     slot_bias_init: float = -4.0
@@ -62,6 +64,12 @@ class PlanSpec:
             raise PlanSpecError("slots", f"{self.slots}: at least one slot is needed")
         if self.gate_normalizer <= 0:
             raise PlanSpecError("gate_normalizer", f"{self.gate_normalizer:g}: must be > 0")
+
+    @property
+    def needs_ranking(self) -> bool:
+        """Whether the full layers depend on the model's weights (the retrieval probe's layer ranking)."""
+        return self.select == "retrieval" and self.windows is None and self.full_layer_ids is None \
+            and self.full_layers > 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,14 @@ def evenly_spaced(num_layers: int, count: int) -> list[int]:
     return [((2 * i + 1) * num_layers - count) // (2 * count) for i in range(count)]
 
 
-def select_full_layers(num_layers: int, count: int, select: str = "even") -> list[int]:
+def select_full_layers(num_layers: int, count: int, select: str = "even", ranking=None) -> list[int]:
+    """The `count` full layers `select` places; `retrieval` takes the first `count` of `ranking` (layer ids, the
+    strongest retrieval layer first)."""
+    if select == "retrieval":
+        if ranking is None:
+            raise NHARetrofitError("--select retrieval ranks the layers by probing the model's weights, which this "
+                                   "step does not read; pass --full-layer-ids or --select even")
+        return sorted(ranking[:count])
     if select == "even":
         return evenly_spaced(num_layers, count) if count else []
     if select == "first":
@@ -123,8 +138,9 @@ def parse_windows(text: str) -> list:
     return windows
 
 
-def build_plan(num_layers: int, spec: PlanSpec = PlanSpec()) -> LayerPlan:
-    """The plan `spec` asks for, on a model of `num_layers` layers."""
+def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None) -> LayerPlan:
+    """The plan `spec` asks for, on a model of `num_layers` layers; `ranking` (layer ids, strongest retrieval layer
+    first) places the full layers of `select="retrieval"`."""
     if spec.windows is not None:
         if len(spec.windows) != num_layers:
             raise PlanSpecError("windows", f"has {len(spec.windows)} entries; the model has {num_layers} layers")
@@ -140,7 +156,7 @@ def build_plan(num_layers: int, spec: PlanSpec = PlanSpec()) -> LayerPlan:
             if spec.full_layers > num_layers:
                 raise PlanSpecError("full_layers",
                                     f"{spec.full_layers}: must be between 0 and {num_layers} (the layer count)")
-            full = set(select_full_layers(num_layers, spec.full_layers, spec.select))
+            full = set(select_full_layers(num_layers, spec.full_layers, spec.select, ranking))
         windows = tuple(None if i in full else spec.window for i in range(num_layers))
     return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init))
 
@@ -163,10 +179,10 @@ def nha_state_bytes(kv_heads: int, head_dim: int, slots: int, window: int, width
     return 2 * kv_heads * slots * head_dim * 4 + window * (kv_heads * (3 * head_dim * width + 4 * slots) + 1) + 1 + 8
 
 
-def plan_table(config: dict, spec: PlanSpec = PlanSpec()) -> str:
+def plan_table(config: dict, spec: PlanSpec = PlanSpec(), ranking=None) -> str:
     """The plan `spec` asks for on the model whose config.json is `config` (already read and checked, see
     `conversion.source`) as a table: per layer window, slots, new parameters and cache cost."""
-    plan = build_plan(config["num_hidden_layers"], spec)
+    plan = build_plan(config["num_hidden_layers"], spec, ranking)
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     kv_heads, head_dim, width = cache_dims(config)
     kv_per_token = 2 * kv_heads * head_dim * width

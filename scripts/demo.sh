@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, on CPU: convert SmolLM2-135M (4 of 30 layers full, window 64, 64 slots),
+# The main job on the embedded default, on CPU: convert SmolLM2-135M with the default plan (the 5 of 30 layers that
+# hold its retrieval heads full, window 256, 64 slots),
 # then finetune it with recipes/smollm2_demo.yaml (attention transfer, then CE + distillation from the original on
 # Python standard-library code and Shakespeare, about 15 minutes on 2 cores), which reports held-out perplexity
 # (original / converted before / after, on texts excluded from training) and exports a merged self-contained
@@ -7,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/nha-retrofit convert smollm2-135m --full-layers 4 --output outputs/smollm2-135m-nha --overwrite
+.venv/bin/nha-retrofit convert smollm2-135m --output outputs/smollm2-135m-nha --overwrite
 .venv/bin/nha-retrofit finetune recipes/smollm2_demo.yaml --overwrite \
     --set model.path=outputs/smollm2-135m-nha --set model.convert=null
 .venv/bin/python - <<'PY'

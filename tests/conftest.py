@@ -29,7 +29,7 @@ def smollm2_nha(tmp_path_factory):
     from nha_retrofit.plan import PlanSpec
 
     output = tmp_path_factory.mktemp("smollm2") / "nha"
-    convert("smollm2-135m", output, PlanSpec(full_layers=4, window=64, slots=64), log=lambda *_: None)
+    convert("smollm2-135m", output, PlanSpec(select="even", full_layers=4, window=64, slots=64), log=lambda *_: None)
     return resolve_model("smollm2-135m"), output
 
 
@@ -52,6 +52,6 @@ def family(request, tmp_path_factory):
     original = tiny_family_model(name, seed=3)
     original.save_pretrained(folder / "original")
     FAMILY_TOKENIZERS[name]().save_pretrained(folder / "original")
-    out = convert(folder / "original", folder / "nha", PlanSpec(full_layers=2, window=3, slots=5, slot_bias_init=-1.0),
+    out = convert(folder / "original", folder / "nha", PlanSpec(select="even", full_layers=2, window=3, slots=5, slot_bias_init=-1.0),
                   log=lambda *_: None)
     return name, original, folder / "original", out

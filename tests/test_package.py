@@ -24,7 +24,7 @@ def test_convert_is_the_conversion_function(tiny_llama_folder, tmp_path):
     assert inspect.isfunction(nha_retrofit.convert) and nha_retrofit.convert is convert is converter_convert
     assert inspect.isfunction(resolve_model) and inspect.isfunction(shards.find_checkpoint)
     assert "convert" in dir(nha_retrofit) and nha_retrofit.__all__ == ["PlanSpec", "convert"]
-    nha_retrofit.convert(tiny_llama_folder, tmp_path / "a", nha_retrofit.PlanSpec(full_layers=1), log=lambda *_: None)
+    nha_retrofit.convert(tiny_llama_folder, tmp_path / "a", nha_retrofit.PlanSpec(select="even", full_layers=1), log=lambda *_: None)
     assert (tmp_path / "a" / "config.json").is_file()
 
 

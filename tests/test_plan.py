@@ -22,7 +22,7 @@ def test_evenly_spaced_full_layers():
 
 
 def test_plan_table_counts_parameters_and_cache_bytes():
-    table = plan_table(CONFIG, PlanSpec(full_layers=1, window=3, slots=5))
+    table = plan_table(CONFIG, PlanSpec(select="even", full_layers=1, window=3, slots=5))
     # head dim 48 / 6 = 8; per layer 2 KV heads * 5 slots * 48 gate weights + 6 slot biases = 486 parameters; a full
     # layer caches 2 * 2 heads * 8 * 4 bytes = 128 B per token; an NHA layer 2*2*5*8*4 + 3*(2*(3*8*4 + 4*5) + 1) + 9
     assert "full attention at [1]" in table
@@ -40,7 +40,7 @@ def test_plan_table_counts_parameters_and_cache_bytes():
         (dict(slots=0), "--slots 0: at least one slot is needed"),
         (dict(window=-1), "--window -1: a window is an integer >= 0"),
         (dict(gate_normalizer=0.0), "--gate-normalizer 0: must be > 0"),
-        (dict(select="middle"), "--select middle: choose one of even, first, last"),
+        (dict(select="middle"), "--select middle: choose one of retrieval, even, first, last"),
         (dict(full_layers=-2), "--full-layers -2: must be >= 0"),
         (dict(full_layer_ids=[3, 1, 3]), "--full-layer-ids 3: listed more than once"),
         (dict(full_layer_ids=[-1]), "--full-layer-ids -1: layer ids start at 0"),
@@ -63,7 +63,7 @@ def test_build_plan_precedence_and_the_checks_that_need_the_layer_count():
     windows = build_plan(3, PlanSpec(windows=[1, None, 0], full_layers=3)).windows  # explicit windows win
     assert windows == (1, None, 0)
     for spec, message in [(PlanSpec(full_layer_ids=[6]), "--full-layer-ids 6: out of range, the model has layers 0..5"),
-                          (PlanSpec(full_layers=7), "--full-layers 7: must be between 0 and 6"),
+                          (PlanSpec(select="even", full_layers=7), "--full-layers 7: must be between 0 and 6"),
                           (PlanSpec(windows=[1, 2]), "--windows has 2 entries; the model has 6 layers")]:
         with pytest.raises(PlanSpecError, match=re.escape(message)):
             build_plan(6, spec)

@@ -24,7 +24,7 @@ TOKEN = "hf_owner_token"
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("push")
     source = save_hub_checkpoint(root / "tiny", seed=21)
-    return convert(source, root / "tiny-nha", PlanSpec(full_layers=1, window=3, slots=5), log=lambda *_: None)
+    return convert(source, root / "tiny-nha", PlanSpec(select="even", full_layers=1, window=3, slots=5), log=lambda *_: None)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..modeling.remote_code import write_remote_code
 from ..plan import LayerPlan, PlanSpec, build_plan
 from .download import TOKENIZER_FILES
+from .layer_ranking import layer_retrieval_scores, rank_layers
 from .resolve import resolve_model
 from .shards import TensorReader, find_checkpoint, write_sharded
 from .source import read_source_config_dict
@@ -97,9 +98,12 @@ def convert(
     # the config first: a model the plan or the family rules out is refused before any weight is downloaded
     source = resolve_model(model, revision=revision, token=token, weights=False)
     source_config = read_source_config_dict(source)
-    plan = build_plan(source_config["num_hidden_layers"], spec)
-    model_class, config = nha_config_for(source_config, plan)
+    num_layers = source_config["num_hidden_layers"]
+    nha_config_for(source_config, build_plan(num_layers, spec, ranking=list(range(num_layers))))
     source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
+    scores = layer_retrieval_scores(source, log=log) if spec.needs_ranking else None
+    plan = build_plan(num_layers, spec, rank_layers(scores) if scores else None)
+    model_class, config = nha_config_for(source_config, plan)
     checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)
     log(f"plan: {plan.describe()}")
     with atomic_folder(output, overwrite) as tmp:
@@ -114,6 +118,8 @@ def convert(
         write_remote_code(tmp, model_class)
         copy_tokenizer_files(source, tmp)
         record = {"source": str(model), "source_path": str(source), "plan": plan.as_dict(), "gate_init": gate_init}
+        if scores:
+            record["layer_retrieval_scores"] = scores
         (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     log(f"wrote {output}")
     return output

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from ..conversion.converter import build_nha_model
+from ..conversion.layer_ranking import layer_retrieval_scores, rank_layers
 from ..conversion.resolve import resolve_model
 from ..conversion.source import read_source_config_dict
 from ..errors import NHARetrofitError
@@ -86,7 +87,7 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
         raise NHARetrofitError("the search chooses the full layers: give it their count, not their ids or windows")
     source = resolve_model(model)
     num_layers = read_source_config_dict(source)["num_hidden_layers"]
-    build_plan(num_layers, spec)  # the plan's errors before any weight is read
+    build_plan(num_layers, spec, ranking=list(range(num_layers)))  # the plan's errors before any weight is read
     full_layers, window = spec.full_layers, spec.window
     settings = dict(window=window, slots=spec.slots, gate_normalizer=spec.gate_normalizer,
                     slot_bias_init=spec.slot_bias_init)
@@ -109,7 +110,9 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     scores = [scorer.mean_kl(f"layer {i}") for i in range(num_layers)]
     chosen = sorted(sorted(range(num_layers), key=scores.__getitem__, reverse=True)[:full_layers])
     even = select_full_layers(num_layers, full_layers, "even")
-    plans = {"searched": chosen, "even": even}
+    retrieval_scores = layer_retrieval_scores(source, device, log=lambda line: None)
+    retrieval = select_full_layers(num_layers, full_layers, "retrieval", rank_layers(retrieval_scores))
+    plans = {"searched": chosen, "retrieval": retrieval, "even": even}
 
     whole = Scorer(nha)
     for ids in tqdm(check_chunks, desc="plans", unit="chunk", disable=not progress):
@@ -119,7 +122,7 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     return {
         "model": model, **settings, "texts": list(texts), "tokens": chunks.numel(),
         "check_texts": list(check_texts), "check_tokens": check_chunks.numel(),
-        "layer_kl": scores, "full_layer_ids": chosen,
+        "layer_kl": scores, "layer_retrieval": retrieval_scores, "full_layer_ids": chosen,
         "plans": {name: {"full_layer_ids": ids_, "kl": whole.mean_kl(name), "perplexity": whole.perplexity(
             name, predicted)} for name, ids_ in plans.items()},
         "original_perplexity": whole.perplexity("original", predicted),
@@ -131,8 +134,9 @@ def format_search(report: dict) -> str:
     chosen = set(report["full_layer_ids"])
     lines = [f"{report['tokens']} tokens of {', '.join(report['texts'])}; window {report['window']}, "
              f"{report['slots']} slots, gates as converted (before finetuning)", "",
-             "| layer | KL per token when NHA alone | kept full |", "|---|---|---|"]
-    lines += [f"| {i} | {kl:.4g} | {'yes' if i in chosen else ''} |" for i, kl in enumerate(report["layer_kl"])]
+             "| layer | KL per token when NHA alone | retrieval-head score | kept full |", "|---|---|---|---|"]
+    lines += [f"| {i} | {kl:.4g} | {report['layer_retrieval'][i]:.3f} | {'yes' if i in chosen else ''} |"
+              for i, kl in enumerate(report["layer_kl"])]
     lines += ["", f"Plans scored whole on {report['check_tokens']} tokens of {', '.join(report['check_texts'])}:", "",
               "| plan | full layers | KL per token | perplexity |", "|---|---|---|---|",
               f"| original | all | 0 | {report['original_perplexity']:.3f} |"]

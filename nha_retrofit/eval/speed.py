@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import statistics
 import time
@@ -525,6 +526,8 @@ def benchmark_random_weights(name_or_path: str, spec: PlanSpec, *, layers: int |
     if layers is not None and not 1 <= layers <= config["num_hidden_layers"]:
         raise NHARetrofitError(f"--layers {layers}: the model has 1..{config['num_hidden_layers']} layers")
     num_layers = layers or config["num_hidden_layers"]
+    if spec.select == "retrieval":  # random weights hold no retrieval heads to rank; the cost of a plan depends on
+        spec = dataclasses.replace(spec, select="even")  # how many layers are full, not on which
     plan = build_plan(num_layers, spec)
     check_options(config.get("max_position_embeddings") or 2048, contexts, **options)
     target = resolve_device(device)

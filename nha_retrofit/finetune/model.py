@@ -26,7 +26,8 @@ class ModelSource:
 
 def resolve_source(spec: ModelSection) -> ModelSource:
     """Decide how to obtain the NHA model, reading only config and tokenizer files (a Hub id's weights are not
-    downloaded for a dry run: `load_model` fetches them)."""
+    downloaded for a dry run: `load_model` fetches them), unless the plan's full layers are chosen by the retrieval
+    probe, which reads the original's weights."""
     from ..conversion.converter import CONVERSION_RECORD
     from ..conversion.resolve import resolve_model
     from ..conversion.source import read_source_config_dict
@@ -48,8 +49,15 @@ def resolve_source(spec: ModelSection) -> ModelSource:
         original = record.get("source", str(original_path)) if record else "unknown"
         return ModelSource(folder, True, original, original_path, None, record, spec)
     config = read_source_config_dict(folder)
+    plan_spec = spec.convert or PlanSpec()
+    ranking = None
+    if plan_spec.needs_ranking:  # the retrieval probe reads the weights (downloaded here for a Hub id)
+        from ..conversion.layer_ranking import layer_retrieval_scores, rank_layers
+
+        folder = resolve_model(spec.path, revision=spec.revision)
+        ranking = rank_layers(layer_retrieval_scores(folder))
     try:
-        plan = build_plan(config["num_hidden_layers"], spec.convert or PlanSpec())
+        plan = build_plan(config["num_hidden_layers"], plan_spec, ranking)
     except PlanSpecError as error:
         raise NHARetrofitError(f"recipe key model.convert.{error.field}: {error.detail}") from None
     return ModelSource(folder, False, spec.path, folder, plan, None, spec)

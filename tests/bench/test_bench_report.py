@@ -54,7 +54,7 @@ def test_named_configs_have_the_published_sizes(name, parameters):
 
 
 def test_random_weights_are_made_in_the_asked_dtype():
-    model = random_nha_model(TINY_CONFIG, build_plan(4, PlanSpec(full_layers=1)), "cpu", torch.bfloat16)
+    model = random_nha_model(TINY_CONFIG, build_plan(4, PlanSpec(select="even", full_layers=1)), "cpu", torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32 and model.model.rotary_emb.inv_freq.abs().min() > 0
     assert all(p.std() > 0 for name, p in model.named_parameters() if name.endswith("proj.weight"))

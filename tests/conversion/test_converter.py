@@ -16,7 +16,7 @@ from nha_retrofit.modeling.remote_code import REMOTE_CODE_FILES
 
 
 def test_all_full_converted_tiny_model_equals_original(tiny_llama_folder, tmp_path):
-    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1, window=3, slots=5), log=lambda *_: None)
+    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=3, slots=5), log=lambda *_: None)
     original = LlamaForCausalLM.from_pretrained(tiny_llama_folder).eval()
     nha = load_nha_checkpoint(out)
     assert nha.config.nha_windows == [3, None, 3, 3]
@@ -41,7 +41,7 @@ def test_smollm2_all_full_equals_original_and_generates(smollm2_nha):
 
 def test_checkpoint_loads_and_generates_where_nha_retrofit_is_absent(tiny_llama_folder, tmp_path):
     """Fresh process, `import nha_retrofit` made impossible: only transformers + torch + the shipped files."""
-    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=2, window=4, slots=6), log=lambda *_: None)
+    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=2, window=4, slots=6), log=lambda *_: None)
     nha = load_nha_checkpoint(out)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -52,7 +52,7 @@ def test_checkpoint_loads_and_generates_where_nha_retrofit_is_absent(tiny_llama_
 
 
 def test_save_and_reload_gives_identical_logits(tiny_llama_folder, tmp_path):
-    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1, window=2, slots=3), log=lambda *_: None)
+    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=2, slots=3), log=lambda *_: None)
     first = load_nha_checkpoint(out)
     first.save_pretrained(tmp_path / "again")
     second = load_nha_checkpoint(tmp_path / "again")
@@ -63,7 +63,7 @@ def test_save_and_reload_gives_identical_logits(tiny_llama_folder, tmp_path):
 
 @pytest.mark.parametrize("slots", [8, 5, 19])  # head_dim is 8: equal, fewer, more (cyclic)
 def test_gate_projection_starts_from_key_projection(tiny_llama_folder, tmp_path, slots):
-    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=0, slots=slots), log=lambda *_: None)
+    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=0, slots=slots), log=lambda *_: None)
     attention = load_nha_checkpoint(out).model.layers[1].self_attn
     keys = attention.k_proj.weight.view(2, 8, -1)
     gates = attention.g_proj.weight.view(2, slots, -1)
@@ -78,15 +78,16 @@ def test_conversion_record_and_remote_code_files(tiny_llama_folder, tmp_path):
     assert config["auto_map"] == {
         "AutoConfig": "configuration_nha.NHALlamaConfig", "AutoModelForCausalLM": "modeling_nha.NHALlamaForCausalLM",
     }
-    assert config["nha_windows"] == [None, 64, 64, None] and config["nha_num_slots"] == 64
+    assert config["nha_windows"] == [None, 256, 256, None] and config["nha_num_slots"] == 64
     assert sorted(path.name for path in out.glob("*.py")) == sorted(REMOTE_CODE_FILES)
     assert "from .chunk_torch import nha_chunked" in (out / "dispatch.py").read_text()
     record = json.loads((out / "nha_conversion.json").read_text())
-    assert record["plan"]["windows"] == [None, 64, 64, None]
+    assert record["plan"]["windows"] == [None, 256, 256, None]
 
 
 def test_cli_convert_works_and_prints_the_plan(tiny_llama_folder, tmp_path):
-    code, output = cli("convert", tiny_llama_folder, "--output", tmp_path / "out", "--full-layers", "2")
+    code, output = cli("convert", tiny_llama_folder, "--output", tmp_path / "out", "--full-layers", "2",
+                       "--select", "even")
     assert code == 0 and "full attention at [0, 2]" in output
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
 
@@ -111,7 +112,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tiny_llama_folder, tmp_pat
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    nha = convert(tiny_llama_folder, tmp_path / "nha-model", PlanSpec(full_layers=1), log=lambda *_: None)
+    nha = convert(tiny_llama_folder, tmp_path / "nha-model", PlanSpec(select="even", full_layers=1), log=lambda *_: None)
     output = tmp_path / "out"
     if "--existing" in args:
         args = [a for a in args if a != "--existing"]
@@ -135,13 +136,13 @@ def test_failed_conversion_leaves_nothing_behind(tiny_llama_folder, tmp_path, mo
 
     monkeypatch.setattr(converter, "write_sharded", broken)
     with pytest.raises(RuntimeError):
-        convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1), log=lambda *_: None)
+        convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=1), log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama"]
 
 
 def test_overwrite_replaces_an_existing_checkpoint(tiny_llama_folder, tmp_path):
-    convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1), log=lambda *_: None)
-    convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=2), overwrite=True, log=lambda *_: None)
+    convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=1), log=lambda *_: None)
+    convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=2), overwrite=True, log=lambda *_: None)
     assert json.loads((tmp_path / "nha" / "config.json").read_text())["nha_windows"].count(None) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nha", "tiny-llama"]
 
@@ -153,7 +154,8 @@ def test_convert_a_hub_id_from_the_local_hf_cache(tiny_llama_folder, tmp_path, m
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text(snapshot.name)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    code, output = cli("convert", "meta-llama/Meta-Llama-3-8B", "--output", tmp_path / "out", "--full-layers", "1")
+    code, output = cli("convert", "meta-llama/Meta-Llama-3-8B", "--output", tmp_path / "out", "--full-layers", "1",
+                       "--select", "even")
     assert code == 0, output
     assert json.loads((tmp_path / "out" / "nha_conversion.json").read_text())["source"] == "meta-llama/Meta-Llama-3-8B"
     from huggingface_hub import constants

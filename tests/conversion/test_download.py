@@ -81,7 +81,7 @@ def test_convert_downloads_only_what_conversion_reads(hub, sources, tmp_path):
     record = json.loads((tmp_path / "out" / "nha_conversion.json").read_text())
     assert record["source"] == "org/tiny" and Path(record["source_path"]) == snapshot
     assert (tmp_path / "hf" / "hub" / "models--org--tiny" / "refs" / "main").read_text() == commit
-    assert_same_conversion(tmp_path / "out", sources["tiny"], tmp_path, PlanSpec(full_layers=1))
+    assert_same_conversion(tmp_path / "out", sources["tiny"], tmp_path, PlanSpec(select="even", full_layers=1))
 
     hub.requests.clear()  # the cached snapshot is complete: the Hub is not asked again
     assert cli("plan", "org/tiny")[0] == 0
@@ -111,7 +111,7 @@ def test_revision_and_token(hub, sources, tmp_path):
     assert all(r.token == READER for r in hub.requests if "org/gated" in r.path)
     commit = hub.repos["org/gated"].refs["v2"]
     assert (tmp_path / "hf" / "hub" / "models--org--gated" / "refs" / "v2").read_text() == commit
-    assert_same_conversion(tmp_path / "out", sources["tiny2"], tmp_path, PlanSpec(full_layers=1))
+    assert_same_conversion(tmp_path / "out", sources["tiny2"], tmp_path, PlanSpec(select="even", full_layers=1))
 
 
 @pytest.mark.parametrize("args, token, message", [
@@ -184,7 +184,7 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub, sources, tmp_pa
     assert first is None and 0 < resumed_at <= dropped_at  # the second request asks only for what is missing
     cached = tmp_path / "hf" / "hub" / "models--org--big" / "snapshots" / hub.repos["org/big"].refs["main"] / name
     assert hashlib.sha256(cached.read_bytes()).digest() == hashlib.sha256(data).digest()
-    assert_same_conversion(tmp_path / "out", sources["big"], tmp_path, PlanSpec(full_layers=1))
+    assert_same_conversion(tmp_path / "out", sources["big"], tmp_path, PlanSpec(select="even", full_layers=1))
 
 
 def test_a_failed_download_is_completed_by_the_next_run(hub, sources, tmp_path):
@@ -201,7 +201,7 @@ def test_a_failed_download_is_completed_by_the_next_run(hub, sources, tmp_path):
     code, output = cli("convert", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
     assert code == 0, output
     assert fetched(hub) == [name] and first_run == needed_files(sources["big"])  # finished files are not fetched again
-    assert_same_conversion(tmp_path / "out", sources["big"], tmp_path, PlanSpec(full_layers=1))
+    assert_same_conversion(tmp_path / "out", sources["big"], tmp_path, PlanSpec(select="even", full_layers=1))
 
 
 def test_the_command_in_a_fresh_process_follows_hf_endpoint_hf_home_and_hf_token(hub, sources, tmp_path):
@@ -216,4 +216,4 @@ def test_the_command_in_a_fresh_process_follows_hf_endpoint_hf_home_and_hf_token
     snapshot = tmp_path / "fresh" / "hub" / "models--org--gated" / "snapshots" / hub.repos["org/gated"].refs["v2"]
     assert {p.name for p in snapshot.iterdir()} == needed_files(sources["tiny2"])
     assert all(r.token == READER for r in hub.requests if "org/gated" in r.path)
-    assert_same_conversion(tmp_path / "out", sources["tiny2"], tmp_path, PlanSpec(full_layers=1))
+    assert_same_conversion(tmp_path / "out", sources["tiny2"], tmp_path, PlanSpec(select="even", full_layers=1))

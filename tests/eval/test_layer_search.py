@@ -22,7 +22,7 @@ WINDOW, SLOTS, CHUNK, TOKENS = 3, 5, 40, 130  # 3 whole chunks of 40 tokens; the
 @pytest.fixture(scope="module")
 def searched(family):
     name, original, source, _ = family
-    report = search_full_layers(str(source), PlanSpec(full_layers=2, window=WINDOW, slots=SLOTS, slot_bias_init=-1.0),
+    report = search_full_layers(str(source), PlanSpec(select="even", full_layers=2, window=WINDOW, slots=SLOTS, slot_bias_init=-1.0),
                                 max_tokens=TOKENS, chunk_len=CHUNK, device="cpu")
     # float64 references, but for Qwen3-MoE, whose grouped expert matmul has no float64 kernel
     return report, original, source, torch.float32 if name == "qwen3_moe" else torch.float64
@@ -68,7 +68,7 @@ def test_scores_and_plans_match_independent_float64_models(searched):
 
 def test_a_window_covering_the_chunk_changes_nothing(family):
     _, _, source, _ = family
-    report = search_full_layers(str(source), PlanSpec(full_layers=1, window=CHUNK, slots=SLOTS), max_tokens=CHUNK,
+    report = search_full_layers(str(source), PlanSpec(select="even", full_layers=1, window=CHUNK, slots=SLOTS), max_tokens=CHUNK,
                                 chunk_len=CHUNK, device="cpu")
     assert max(report["layer_kl"]) < 1e-6
     for plan in report["plans"].values():

@@ -195,7 +195,7 @@ def test_frozen_matrices_kept_in_bf16_compute_what_fp32_weights_compute(tmp_path
         from nha_retrofit.conversion import convert
         from nha_retrofit.plan import PlanSpec
 
-        convert(str(tmp_path / "bf16"), tmp_path / "nha", PlanSpec(full_layers=1, window=4, slots=4),
+        convert(str(tmp_path / "bf16"), tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=4, slots=4),
                 log=lambda *_: None)
         spec.model.path, spec.model.convert = str(tmp_path / "nha"), None
     source = resolve_source(spec.model)

@@ -302,7 +302,7 @@ def test_converted_checkpoint_as_input(world, tmp_path):
     from nha_retrofit.plan import PlanSpec
 
     model, data = world
-    converted = convert(str(model), tmp_path / "nha", PlanSpec(full_layers=1, window=4, slots=4), log=lambda *_: None)
+    converted = convert(str(model), tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=4, slots=4), log=lambda *_: None)
     recipe = tiny_recipe(converted, data, tmp_path / "run")
     with pytest.raises(NHARetrofitError, match="recipe key model.convert: .* is already converted"):
         finetune(recipe, dry_run=True, **quiet)

@@ -35,7 +35,7 @@ def launch_zero3(*args: str) -> subprocess.CompletedProcess:
 def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_path):
     data = write_corpus(tmp_path / "data")
     # ZeRO-3 partitions weights as they load: it trains a converted checkpoint
-    model = convert(write_tiny_original(tmp_path / "orig"), tmp_path / "nha", PlanSpec(full_layers=1, window=4, slots=4),
+    model = convert(write_tiny_original(tmp_path / "orig"), tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=4, slots=4),
                     log=lambda *_: None)
     sections = dict(model={"convert": None}, train={"trainable": "lora", "lora": {"r": 2}})
     finetune(tiny_recipe(model, data, tmp_path / "one", **sections), log=lambda *_: None)
@@ -67,7 +67,7 @@ def test_zero3_trains_lora_on_a_bf16_checkpoint(tmp_path):
 
     data, original = write_corpus(tmp_path / "data"), write_tiny_original(tmp_path / "orig")
     AutoModelForCausalLM.from_pretrained(original, dtype=torch.bfloat16).save_pretrained(original)
-    model = convert(original, tmp_path / "nha", PlanSpec(full_layers=1, window=4, slots=4), log=lambda *_: None)
+    model = convert(original, tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=4, slots=4), log=lambda *_: None)
     sections = dict(model={"convert": None}, train={"trainable": "lora", "lora": {"r": 2}, "precision": "bf16"})
     recipe = save_recipe(tiny_recipe(model, data, tmp_path / "zero3", **sections), tmp_path / "zero3.yaml")
     launch_zero3(str(recipe))

@@ -155,7 +155,7 @@ def test_operator_gets_one_dtype_under_autocast_with_fp32_qk_norms(tmp_path, mon
     from tiny_models import tiny_family_model
 
     tiny_family_model("qwen3_moe").save_pretrained(tmp_path / "source")
-    model = build_nha_model(tmp_path / "source", build_plan(6, PlanSpec(full_layers=1, window=4, slots=16)))
+    model = build_nha_model(tmp_path / "source", build_plan(6, PlanSpec(select="even", full_layers=1, window=4, slots=16)))
     seen = []
 
     def recording(q, k, v, q_rope, k_rope, *args):

@@ -1,0 +1,96 @@
+"""Which layers hold the original model's retrieval heads: the ranking behind `select="retrieval"`.
+
+A few attention heads do a model's long-range retrieval: asked for a fact stated far back, they put their attention
+on it. A layer whose retrieval heads become a window and slots loses that fact, so those layers keep full attention.
+The probe: `samples` prompts of `length` tokens of Python standard-library source (code the finetuning recipes train
+on, never a held-out text of the evaluations), each with one record line (`registry entry KEY holds VALUE`) at a
+random line start in its first half, and the record's first words again at the end. In the original model (eager
+attention, so the weights are returned), a layer's score is the largest, over its heads, of the attention mass the
+positions that predict the value put on the record's tokens, averaged over the prompts. Layers rank by score.
+On SmolLM2-135M the retrieval heads sit in layers 7, 14, 17, 18, 20, 21 and 23; the evenly spaced default of 4 of 30
+(3, 10, 18, 25) kept one of them (docs/benchmarks.md#quality-sweep).
+"""
+
+from __future__ import annotations
+
+import glob
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from ..errors import NHARetrofitError
+
+PROBE_MODULES = ("argparse.py", "email/message.py", "email/_header_value_parser.py", "logging/__init__.py")
+PROBE_SAMPLES = 4
+PROBE_LENGTH = 1024
+
+
+def probe_text() -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [path.read_text(encoding="utf-8", errors="replace")
+             for name in PROBE_MODULES for path in map(Path, glob.glob(str(stdlib / name))) if path.is_file()]
+    if not texts:
+        raise NHARetrofitError(f"the retrieval probe found none of {', '.join(PROBE_MODULES)} in {stdlib}")
+    return "\n".join(texts)
+
+
+def probe_prompts(tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH, seed: int = 0):
+    """[(token ids, record span, answer positions)]: each prompt is exactly `length` tokens."""
+    ids = tokenizer(probe_text(), add_special_tokens=False, verbose=False)["input_ids"]
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(samples):
+        key = f"{rng.choice(('ORCA', 'LYNX', 'KITE', 'MOTH', 'WREN'))}{rng.randrange(10, 99)}"
+        value = str(rng.randrange(100000, 999999))
+        record = tokenizer(f"\n# registry entry {key} holds {value}\n", add_special_tokens=False)["input_ids"]
+        question = tokenizer(f"\n# registry entry {key} holds", add_special_tokens=False)["input_ids"]
+        answer = tokenizer(f" {value}", add_special_tokens=False)["input_ids"]
+        room = length - len(record) - len(question) - len(answer)
+        if room < 16 or room >= len(ids):
+            raise NHARetrofitError(f"the retrieval probe cannot make prompts of {length} tokens")
+        start = rng.randrange(len(ids) - room)
+        haystack = ids[start : start + room]
+        place = rng.randrange(room // 2)
+        prompt = haystack[:place] + record + haystack[place:] + question + answer
+        first_answer = length - len(answer) - 1  # the position that predicts the answer's first token
+        prompts.append((prompt, range(place, place + len(record)), range(first_answer, length - 1)))
+    return prompts
+
+
+@torch.no_grad()
+def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH) -> list[float]:
+    """Per layer of the original `model` (run with eager attention), its strongest head's attention mass on the
+    record, averaged over the probe's prompts."""
+    device = next(model.parameters()).device
+    scores = None
+    for prompt, record, answer in probe_prompts(tokenizer, samples, length):
+        out = model(torch.tensor([prompt], device=device), output_attentions=True, use_cache=False,
+                    logits_to_keep=1)
+        per_layer = torch.stack([weights[0][:, answer][:, :, record].sum(-1).mean(-1).max().float()
+                                 for weights in out.attentions])
+        scores = per_layer if scores is None else scores + per_layer
+    return (scores / samples).tolist()
+
+
+def rank_layers(scores: list[float]) -> list[int]:
+    """Layer ids, the strongest retrieval layer first (ties: the lower id first)."""
+    return sorted(range(len(scores)), key=lambda layer: (-scores[layer], layer))
+
+
+def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> list[float]:
+    """The probe's per-layer scores of the original model in `folder` (loaded once, in its dtype, on CUDA when
+    present)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                          "cpu" if device == "auto" else device)
+    log(f"ranking layers by retrieval: {PROBE_SAMPLES} probes on {target.type}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        raise NHARetrofitError(f"--select retrieval probes the model through its tokenizer, which {folder} lacks; "
+                               "pass --select even or --full-layer-ids") from None
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(target).eval()
+    return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings))

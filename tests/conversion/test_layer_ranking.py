@@ -1,0 +1,67 @@
+"""The retrieval probe behind `select="retrieval"` (the default): prompts of exact length holding their record, the
+per-layer score against a brute-force recomputation from the attention weights, and the conversion's use of it."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from ft_helpers import write_tiny_original
+from nha_retrofit.conversion import convert
+from nha_retrofit.conversion.layer_ranking import probe_prompts, rank_layers, retrieval_scores
+from nha_retrofit.errors import NHARetrofitError
+from nha_retrofit.plan import PlanSpec, build_plan
+
+LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    """A tiny random Llama with a byte-level tokenizer (4 layers, 128 positions)."""
+    return write_tiny_original(tmp_path_factory.mktemp("original"))
+
+
+def test_probe_prompts_are_exact_and_hold_their_record(original):
+    tokenizer = AutoTokenizer.from_pretrained(original)
+    for prompt, record, answer in probe_prompts(tokenizer, samples=3, length=LENGTH):
+        assert len(prompt) == LENGTH
+        record_text = tokenizer.decode(prompt[record.start : record.stop])
+        assert record_text.strip().startswith("# registry entry ")
+        value = record_text.split()[-1]
+        assert tokenizer.decode(prompt[answer.start + 1 : LENGTH]).strip() == value
+        assert answer.stop == LENGTH - 1 and record.stop <= LENGTH // 2 + len(record)
+
+
+def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
+    tokenizer = AutoTokenizer.from_pretrained(original)
+    model = LlamaForCausalLM.from_pretrained(original, attn_implementation="eager").eval()
+    scores = retrieval_scores(model, tokenizer, samples=3, length=LENGTH)
+    expected = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
+    for prompt, record, answer in probe_prompts(tokenizer, samples=3, length=LENGTH):
+        with torch.no_grad():
+            attentions = model(torch.tensor([prompt]), output_attentions=True).attentions
+        for layer, weights in enumerate(attentions):
+            heads = weights[0].double()
+            means = [sum(sum(float(heads[h, q, k]) for k in record) for q in answer) / len(answer)
+                     for h in range(heads.shape[0])]
+            expected[layer] += max(means) / 3
+    assert torch.allclose(torch.tensor(scores, dtype=torch.float64), expected, atol=1e-5)
+    assert rank_layers([0.1, 0.5, 0.5, 0.2]) == [1, 2, 3, 0]
+
+
+def test_the_default_plan_keeps_the_strongest_retrieval_layers_full(original, tmp_path):
+    out = convert(original, tmp_path / "nha", PlanSpec(full_layers=2, window=4, slots=4), log=lambda *_: None)
+    record = json.loads((out / "nha_conversion.json").read_text())
+    scores = record["layer_retrieval_scores"]
+    windows = json.loads((out / "config.json").read_text())["nha_windows"]
+    assert [i for i, w in enumerate(windows) if w is None] == sorted(rank_layers(scores)[:2])
+    with pytest.raises(NHARetrofitError, match="--select retrieval ranks the layers by probing"):
+        build_plan(len(windows), PlanSpec(full_layers=2))
+    assert build_plan(4, PlanSpec(full_layers=2), ranking=[3, 0, 1, 2]).windows == (None, 256, 256, None)
+
+
+def test_a_model_without_a_tokenizer_cannot_be_ranked_and_says_what_to_pass(tiny_llama_folder, tmp_path):
+    with pytest.raises(NHARetrofitError, match="lacks; pass --select even or --full-layer-ids"):
+        convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1), log=lambda *_: None)
+    assert not (tmp_path / "nha").exists()
