@@ -129,7 +129,7 @@ def test_demo_recipe_dry_runs_with_its_real_model(tmp_path, smollm2_nha):
         ['data.files=["{stdlib}/this.py", "{stdlib}/bisect.py", "{stdlib}/shlex.py"]', f"train.output_dir={tmp_path / 'run'}"],
         dry_run=True, log=lambda *_: None,
     )
-    assert plan["full_layers"] == [3, 10, 18, 25] and plan["windows"] == [64]
+    assert plan["full_layers"] == [14, 17, 18, 20, 21] and plan["windows"] == [256]  # the retrieval probe's pick
     assert plan["total_parameters"] > 134_000_000 and 0 < plan["trainable_parameters"] < plan["total_parameters"] / 3
 
 
