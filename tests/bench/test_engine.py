@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from nha_retrofit.bench.decoders import COMPILED, EAGER, EVERY_WINDOW_FULL, NHA
-from nha_retrofit.bench.engine import Bench, baseline_warnings, speedups
+from nha_retrofit.bench.engine import Bench, baseline_warnings, run_benchmark, speedups
 from nha_retrofit.bench.memory import cache_bytes, largest_batch, static_bytes_per_sequence
+from nha_retrofit.bench.options import decode_room
 from nha_retrofit.modeling.nha_cache import NHAStaticCache
 from tiny_models import tiny_nha_pair
 
@@ -82,3 +83,14 @@ def test_the_compiled_baseline_decodes_the_eager_tokens_on_cuda():
     results = bench.original_once(ids, False, False)
     assert COMPILED in bench.graph_baselines and EVERY_WINDOW_FULL in bench.graph_baselines
     assert all(results[path]["decode_ms_per_token"] > 0 for path in BASELINES)
+
+
+def test_a_float8_kv_cache_is_what_nha_decodes_on_and_what_it_holds():
+    _, nha = tiny_nha_pair([None, 4, None, 4])
+    report = run_benchmark(nha, contexts=[24], decode_steps=1, rounds=1, kv_cache="float8_e4m3")
+    row = next(r for r in report["latency"] if r["model"] == NHA)
+    expected = static_bytes_per_sequence(nha.config, 24 + decode_room(1), torch.float32, torch.float8_e4m3fn)
+    assert report["kv_cache_dtype"] == "float8_e4m3fn" and row["cache_bytes"] == expected
+    assert "float8_e4m3fn" in report["paths"][NHA]
+    accounting = {(r["model"], r["kv_cache_dtype"]): r["bytes_per_sequence"] for r in report["memory_accounting"]}
+    assert accounting[NHA, "float8_e4m3fn"] == expected < accounting[NHA, "float32"]
