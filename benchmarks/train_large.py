@@ -13,7 +13,7 @@ Parts, each a child process under a time cap (a failure is recorded and the rest
 - train: the 8B recipe, attention transfer then LM with distillation, checkpoints; tokens/s per stage, peak GPU
   memory beside the projection; then, on the same loaded model, the recipe's own LM step side by side with the
   original model trained the same way (every window full: SDPA in every layer), at 2K and at a long context, 20
-  optimizer steps after a warm-up in each order (NHA first, then the original first), NHA with a torch.profiler
+  one-micro-step optimizer steps after a warm-up in each order (NHA first, then the original first), NHA with a torch.profiler
   breakdown of GPU time (the NHA Triton kernels by name, SDPA, matrix products, the rest);
 - kill / resume: the same run killed (SIGKILL) between two checkpoints and resumed; the losses after the resume
   against the uninterrupted run's; checkpoint, resume and export time and memory;
@@ -56,7 +56,7 @@ NHA_KERNELS = ("_fwd_kernel", "_rows_kernel", "_keys_merged_kernel", "_state_gra
                "_segment_update_kernel", "_chunk_update_kernel", "_chained_scan_kernel", "_alpha_grad_kernel",
                "_keys_kernel", "_keys_da_kernel")
 PARTS = ("convert", "train", "kill", "resume", "export", "moe", "fsdp", "scaling", "zero3")
-CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240, "scaling": 300,
+CAPS = {"convert": 150, "train": 480, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240, "scaling": 300,
         "zero3": 330}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
 TINY_MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -303,14 +303,15 @@ def without_checkpointing(run) -> dict:
 
 
 def side_by_side(run, contexts, steps: int) -> list[dict]:
-    """NHA and the original trained the same way at each context, `steps` optimizer steps each, timed in both orders
-    (NHA first, then the original first): the median rate of the two and both, and NHA's against the original's."""
+    """NHA and the original trained the same way at each context, `steps` optimizer steps of one micro-step each,
+    timed in both orders (NHA first, then the original first): the median rate of the two and both, and NHA's
+    against the original's."""
     rows = []
     for context in contexts:
         measured = {False: [], True: []}
         for order in ((False, True), (True, False)):
             for original in order:
-                measured[original].append(measure_steps(run, context, original, steps=steps,
+                measured[original].append(measure_steps(run, context, original, micro_steps=1, steps=steps,
                                                         profiled=not original and not measured[False]))
         nha, original = (dict(measured[side][0]) for side in (False, True))
         for row, side in ((nha, False), (original, True)):
