@@ -122,7 +122,8 @@ def main():
     parser.add_argument("--families", default=",".join(NAMED_CONFIGS), help="comma-separated named configs")
     parser.add_argument("--quick", action="store_true", help="a tiny config on the CPU (what the tests run)")
     parser.add_argument("--out-dir", type=Path, help="where to write (default: the repository, or $OUT)")
-    parser.add_argument("--contexts", help="comma-separated contexts instead of 4K, 32K and the positions (capped by them)")
+    parser.add_argument("--contexts",
+                        help="comma-separated contexts instead of 4K, 32K and the positions (capped by them)")
     parser.add_argument("--batch-sizes", help=f"comma-separated batch sizes instead of {BATCH_SIZES}")
     parser.add_argument("--no-compile", action="store_true", help="leave out the original's compiled path")
     parser.add_argument("--profile", action="store_true", help="also profile one NHA prefill of Llama-3-8B at 32K")

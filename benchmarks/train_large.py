@@ -13,8 +13,8 @@ Parts, each a child process under a time cap (a failure is recorded and the rest
 - train: the 8B recipe, attention transfer then LM with distillation, checkpoints; tokens/s per stage, peak GPU
   memory beside the projection; then, on the same loaded model, the recipe's own LM step side by side with the
   original model trained the same way (every window full: SDPA in every layer), at 2K and at a long context, 20
-  one-micro-step optimizer steps after a warm-up in each order (NHA first, then the original first), NHA with a torch.profiler
-  breakdown of GPU time (the NHA Triton kernels by name, SDPA, matrix products, the rest);
+  one-micro-step optimizer steps after a warm-up in each order (NHA first, then the original first), NHA with a
+  torch.profiler breakdown of GPU time (the NHA Triton kernels by name, SDPA, matrix products, the rest);
 - kill / resume: the same run killed (SIGKILL) between two checkpoints and resumed; the losses after the resume
   against the uninterrupted run's; checkpoint, resume and export time and memory;
 - export: the merged export loaded with AutoModelForCausalLM (remote code) and generating;

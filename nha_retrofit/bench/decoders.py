@@ -15,7 +15,6 @@ import torch
 
 from ..modeling.decoding import (every_window_full, nha_static_cache, one_token_step, original_sharing_weights,
                                  original_static_cache, prefill)
-from .options import WARM_STEPS
 
 NHA = "nha"
 EAGER = "original, eager"
@@ -30,14 +29,13 @@ def next_token(output) -> torch.Tensor:
 class StaticDecoder:
     """A model on an `NHAStaticCache` (a CUDA graph on CUDA): NHA, or the original as every window full."""
 
-    warm_steps = WARM_STEPS
-
     def __init__(self, name: str, model, kv_cache_dtype=None):
         self.name, self.model, self.kv_cache_dtype = name, model, kv_cache_dtype
         self.graph = model.device.type == "cuda"
-        self.description = ("NHAStaticCache" + (f", full layers' keys and values in {str(kv_cache_dtype).removeprefix('torch.')}"
-                                                if kv_cache_dtype else "")
-                            + ("; decode steps replayed from a CUDA graph" if self.graph else "; eager decode steps"))
+        stored = (f", full layers' keys and values in {str(kv_cache_dtype).removeprefix('torch.')}" if kv_cache_dtype
+                  else "")
+        steps = "; decode steps replayed from a CUDA graph" if self.graph else "; eager decode steps"
+        self.description = "NHAStaticCache" + stored + steps
         if name == EVERY_WINDOW_FULL:
             self.description = "the same weights with every window full on " + self.description
 
@@ -95,7 +93,6 @@ class Original:
 
     def compiled_step(self, cache, token, positions):
         return next_token(one_token_step(self.model, token, positions, cache, forward=self.compiled))
-
 
 
 def full_windows_decoder(model) -> StaticDecoder:

@@ -88,9 +88,10 @@ def test_cli_bench_random_weights_writes_json_markdown_and_charts(config_file, t
 
 
 def test_an_allocation_that_does_not_fit_is_the_limit_and_the_run_goes_on(monkeypatch):
-    """A static cache of 3 or more sequences, or of more than 40 positions, 'runs out of memory': those sizes are
-    recorded as not fitting (the memory accounting's caches on the meta device allocate nothing), the largest batch is found between the last fit and the first failure, and every
-    other measurement still runs (the original's dynamic cache is not limited)."""
+    """A static cache of 3 or more sequences, or of more than 40 positions, 'runs out of memory' (the memory
+    accounting's caches on the meta device allocate nothing): those sizes are recorded as not fitting, the largest
+    batch is found between the last fit and the first failure, and every other measurement still runs (the
+    original's dynamic cache is not limited)."""
     allocate = nha_cache.StaticPositions.__init__
 
     def limited(self, batch_size, length, device):
