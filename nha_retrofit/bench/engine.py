@@ -308,6 +308,22 @@ def speedups(latency: list[dict], baselines) -> list[dict]:
     return records
 
 
+def batch_speedups(throughput: list[dict], largest: list[dict], baseline: str) -> list[dict]:
+    """Per batch context: NHA's best decode tokens per second (at any batch that fits) against the baseline's, and
+    both largest batches."""
+    records = []
+    for length in sorted({r["context"] for r in throughput}):
+        best = {name: max((r["tokens_per_s"] for r in throughput if r["model"] == name and r["context"] == length
+                           and r["fits"]), default=None) for name in (NHA, baseline)}
+        if None in best.values():
+            continue
+        batches = {r["model"]: r["largest_batch"] for r in largest if r["context"] == length}
+        records.append({"context": length, "baseline": baseline, "nha_tokens_per_s": best[NHA],
+                        "baseline_tokens_per_s": best[baseline], "speedup": best[NHA] / best[baseline],
+                        "nha_largest_batch": batches.get(NHA), "baseline_largest_batch": batches.get(baseline)})
+    return records
+
+
 def baseline_warnings(latency: list[dict], graph_paths) -> list[str]:
     """A line per context where one of the original's graph paths decodes slower than its eager steps: that path is
     not at its best (a broken capture, a recompiling graph), and a speed-up against it would be flattering."""
@@ -366,6 +382,7 @@ def run_benchmark(model, *, contexts, decode_steps: int = 16, rounds: int = 3, b
         "warnings": baseline_warnings(latency, bench.graph_baselines),
         "throughput": throughput,
         "largest_batch": largest,
+        "batch_speedups": batch_speedups(throughput, largest, EVERY_WINDOW_FULL),
         "memory_accounting": bench.memory_accounting(latency, batch_contexts or contexts),
         "longest_context": longest_records,
     }

@@ -114,6 +114,9 @@ def format_report(report: dict) -> str:
     if report["throughput"]:
         lines += ["", "Decode throughput, every sequence holding the context (the cache of one prefill, copied):", ""]
         lines += throughput_table(report) + [""] + largest_batch_lines(report)
+        lines += [""] + [f"At {context_label(r['context'])}, NHA's best {r['nha_tokens_per_s']:,.0f} tokens/s against "
+                         f"{r['baseline_tokens_per_s']:,.0f} for {r['baseline']}: {r['speedup']:.2f}x."
+                         for r in report["batch_speedups"]]
     if report["memory_accounting"]:
         lines += ["", "Static caches per sequence (context plus the decode steps):", ""] + memory_lines(report)
     if report["longest_context"]:

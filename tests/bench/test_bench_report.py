@@ -83,6 +83,7 @@ def test_cli_bench_random_weights_writes_json_markdown_and_charts(config_file, t
     assert {(r["model"], r["batch"]) for r in report["throughput"]} == {
         (m, b) for m in ("nha", "original, every window full") for b in (1, 2)}
     assert all(r["tokens_per_s"] > 0 for r in report["throughput"])
+    assert [r["context"] for r in report["batch_speedups"]] == [40] and report["batch_speedups"][0]["speedup"] > 0
     assert [r["limited_by"] for r in report["longest_context"]] == ["positions", "positions"]
     assert (out / "bench.md").read_text().strip() == format_report(report) and "| 40 | 2 |" in output
 

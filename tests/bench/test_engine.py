@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nha_retrofit.bench.decoders import COMPILED, EAGER, EVERY_WINDOW_FULL, NHA
-from nha_retrofit.bench.engine import Bench, baseline_warnings, run_benchmark, speedups
+from nha_retrofit.bench.engine import Bench, baseline_warnings, batch_speedups, run_benchmark, speedups
 from nha_retrofit.bench.memory import cache_bytes, largest_batch, static_bytes_per_sequence
 from nha_retrofit.bench.options import decode_room
 from nha_retrofit.modeling.nha_cache import NHAStaticCache
@@ -33,6 +33,20 @@ def test_speedups_are_against_the_fastest_baseline_that_fits():
     assert second["decode_ms_per_token"]["speedup"] == pytest.approx(9.65 / 7.5)
     no_nha = speedups([row(NHA, 64, fits=False), row(EAGER, 64, 3.0, 2.0)], BASELINES)
     assert no_nha == [{"context": 64}]
+
+
+def test_batch_speedups_compare_the_best_rates_that_fit():
+    throughput = [{"model": NHA, "context": 32768, "batch": b, "fits": b < 256, "tokens_per_s": 18.0 * b}
+                  for b in (16, 64, 208, 256)]
+    throughput += [{"model": EVERY_WINDOW_FULL, "context": 32768, "batch": b, "fits": b <= 28,
+                    "tokens_per_s": 18.5 * b} for b in (16, 28, 64)]
+    largest = [{"model": NHA, "context": 32768, "largest_batch": 208, "first_failing": 256},
+               {"model": EVERY_WINDOW_FULL, "context": 32768, "largest_batch": 28, "first_failing": 34}]
+    [record] = batch_speedups(throughput, largest, EVERY_WINDOW_FULL)
+    assert record["nha_tokens_per_s"] == 18.0 * 208 and record["baseline_tokens_per_s"] == 18.5 * 28
+    assert record["speedup"] == pytest.approx(208 * 18.0 / (28 * 18.5))
+    assert (record["nha_largest_batch"], record["baseline_largest_batch"]) == (208, 28)
+    assert batch_speedups(throughput[:4], largest, EVERY_WINDOW_FULL) == []
 
 
 def test_a_graph_baseline_slower_than_eager_is_warned_about():
