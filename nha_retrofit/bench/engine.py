@@ -290,8 +290,20 @@ def machine_facts(device: torch.device) -> dict:
     return facts
 
 
-def speedups(latency: list[dict], baselines) -> list[dict]:
-    """Per context: NHA's prefill and decode speed-up against the fastest baseline that fits (named)."""
+def dense_weight_bytes(model, original) -> dict | None:
+    """{"nha": ..., "original": ...}: the bytes of each model's parameters, which a dense model's decode step reads
+    once per step; None for a mixture of experts (a step reads only the experts its tokens are routed to)."""
+    if hasattr(model.config, "num_experts"):
+        return None
+    return {name: sum(p.numel() * p.element_size() for p in m.parameters()) for name, m in (("nha", model),
+                                                                                        ("original", original))}
+
+
+def speedups(latency: list[dict], baselines, weight_bytes: dict | None = None) -> list[dict]:
+    """Per context: NHA's prefill and decode speed-up against the fastest baseline that fits (named). With
+    `weight_bytes` ({"nha": ..., "original": ...}: what a dense model's step reads besides its cache), the decode
+    speed-up's bound from the bytes each step reads: (original's weights + the baseline's cache) / (NHA's weights +
+    NHA's cache)."""
     records = []
     for length in sorted({r["context"] for r in latency}):
         rows = [r for r in latency if r["context"] == length and r["fits"]]
@@ -304,6 +316,9 @@ def speedups(latency: list[dict], baselines) -> list[dict]:
             fastest = min(candidates, key=lambda r: r[key])
             record[key] = {"baseline": fastest["model"], "baseline_ms": fastest[key], "nha_ms": nha[key],
                            "speedup": fastest[key] / nha[key]}
+            if key == "decode_ms_per_token" and weight_bytes:
+                record[key]["bytes_bound"] = ((weight_bytes["original"] + fastest["cache_bytes"])
+                                              / (weight_bytes["nha"] + nha["cache_bytes"]))
         records.append(record)
     return records
 
@@ -378,7 +393,7 @@ def run_benchmark(model, *, contexts, decode_steps: int = 16, rounds: int = 3, b
         "rounds": rounds,
         "round_order": "alternating: NHA first in rounds 1, 3, ..., the original first in rounds 2, 4, ...",
         "latency": latency,
-        "speedups": speedups(latency, bench.baselines),
+        "speedups": speedups(latency, bench.baselines, dense_weight_bytes(model, bench.original.model)),
         "warnings": baseline_warnings(latency, bench.graph_baselines),
         "throughput": throughput,
         "largest_batch": largest,

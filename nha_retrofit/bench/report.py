@@ -45,14 +45,16 @@ def latency_table(report: dict) -> list[str]:
 
 
 def speedup_table(report: dict) -> list[str]:
-    lines = ["| context | decode: fastest baseline | NHA speed-up | prefill: fastest baseline | NHA speed-up |",
-             "|---|---|---|---|---|"]
+    lines = ["| context | decode: fastest baseline | NHA speed-up | bound from the bytes read per step | "
+             "prefill: fastest baseline | NHA speed-up |", "|---|---|---|---|---|---|"]
     for row in report["speedups"]:
         cells = []
         for key, digits in (("decode_ms_per_token", 2), ("prefill_ms", 1)):
             found = row.get(key)
             cells += ([f"{found['baseline']} ({found['baseline_ms']:.{digits}f} ms)", f"{found['speedup']:.2f}x"]
                       if found else ["-", "-"])
+            if key == "decode_ms_per_token":
+                cells.append(f"{found['bytes_bound']:.2f}x" if found and found.get("bytes_bound") else "-")
         lines.append(f"| {context_label(row['context'])} | " + " | ".join(cells) + " |")
     return lines
 

@@ -31,6 +31,11 @@ def test_speedups_are_against_the_fastest_baseline_that_fits():
                                    "speedup": pytest.approx(118 / 120)}
     assert second["decode_ms_per_token"]["baseline"] == EVERY_WINDOW_FULL
     assert second["decode_ms_per_token"]["speedup"] == pytest.approx(9.65 / 7.5)
+    weights = {"nha": 16_100, "original": 16_000}
+    [_, bound] = speedups([{**r, "cache_bytes": 4_300 if r["model"] != NHA else 500} for r in latency], BASELINES,
+                          weights)
+    assert bound["decode_ms_per_token"]["bytes_bound"] == pytest.approx(20_300 / 16_600)
+    assert "bytes_bound" not in first["decode_ms_per_token"]
     no_nha = speedups([row(NHA, 64, fits=False), row(EAGER, 64, 3.0, 2.0)], BASELINES)
     assert no_nha == [{"context": 64}]
 
