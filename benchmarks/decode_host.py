@@ -8,7 +8,8 @@ Prints, in one process:
   slot bias's cast in PyTorch before the step against the step given the gate logits and tau and a bf16 slot bias
   (the gate applied in the kernel);
 - one step alone, the gate's ops (`g_proj`, float, logsigmoid, divide) and a full layer's cache concatenation +
-  SDPA at 8K keys (us of host time per call): the parts of an NHA layer's decode against a full layer's.
+  SDPA at 8K keys (native grouped-query attention, PyTorch's choice among every backend; us of host time per call):
+  the parts of an NHA layer's decode against a full layer's.
 
 Usage: PYTHONPATH=. python benchmarks/decode_host.py [--previous old_fused_recurrent.py] [--repeats 4]
 (e.g. `git show REV:nha_retrofit/ops/nha/fused_recurrent.py > /tmp/old_fused_recurrent.py`)
@@ -20,7 +21,6 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops import HQ, D, H, M, B, decode_layers, decode_step, host_us
 from nha_retrofit.ops.nha import fused_recurrent as decode
@@ -98,8 +98,7 @@ def main():
         keys, values = torch.cat([cache_k, k], 2), torch.cat([cache_v, v], 2)
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        print(f"full layer's cache concatenation + SDPA, 8K keys: host {host_us(full_layer, 100)[0]:.1f} us")
+    print(f"full layer's cache concatenation + SDPA, 8K keys: host {host_us(full_layer, 100)[0]:.1f} us")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 runs forward+backward at 8K tokens through the Triton kernels and through the plain-PyTorch chunked form; the
 logits and gradients must agree within bf16 tolerance (random weights; on a converted model's real weights two bf16
 paths drift apart far more, so `real_weights_check.py` measures each against fp32 instead). Also times prefill and
-cached decode, beside the original Llama's decode with the same weights (with PyTorch's default SDPA backends, and,
-in rounds alternating with NHA's, with the backends NHA's full layers decode with).
+cached decode, beside the original Llama's eager decode with the same weights on its dynamic cache (PyTorch's choice
+among every SDPA backend, native grouped-query attention), in rounds alternating in order with NHA's.
 
 Usage (GPU machine): PYTHONPATH=. python benchmarks/e2e_model.py [--layers 8] [--tokens 8192]
 Writes benchmarks/results/e2e_model_h200.json. With --memory it only prints the peak memory of a training step with
@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention import sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import nha_retrofit.modeling.modeling_nha as modeling
 from nha_retrofit.modeling.configuration_nha import NHALlamaConfig
+from nha_retrofit.modeling.decoding import one_token_step, prefill
 from nha_retrofit.ops import KERNELS_AVAILABLE
 from nha_retrofit.modeling.modeling_nha import NHALlamaForCausalLM
 
@@ -81,27 +80,25 @@ def decode_ms_per_token(model, ids, steps=20):
     included, as `generate` would pay them; batch 1)."""
     times = []
     with torch.no_grad():
-        out = model(ids, use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values  # the name changed during 5.x
+        cache, _ = prefill(model, ids)
         token = ids[:, -1:]
-        for _ in range(steps):
+        for step in range(steps):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model(token, use_cache=True, **{modeling._CACHE_ARGUMENT: cache})
+            one_token_step(model, token, torch.full_like(token, ids.shape[1] + step), cache)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     return 1000 * sorted(times)[steps // 2]
 
 
 def decode_rounds(model, original, ids, rounds):
-    """{"NHA": [...], "original": [...]}: `rounds` alternating measurements of each (`decode_ms_per_token`; the
-    original with the SDPA backends NHA's full layers decode with), so both see the same host noise (this host's
-    eager decode varies by up to 2x between runs)."""
+    """{"NHA": [...], "original": [...]}: `rounds` measurements of each (`decode_ms_per_token`), NHA first in odd
+    rounds and the original first in even ones, so both see the same host noise (this host's eager decode varies by
+    up to 2x between runs)."""
     out = {"NHA": [], "original": []}
-    for _ in range(rounds):
-        out["NHA"].append(decode_ms_per_token(model, ids))
-        with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
-            out["original"].append(decode_ms_per_token(original, ids))
+    for index in range(rounds):
+        for name in ("NHA", "original") if index % 2 == 0 else ("original", "NHA"):
+            out[name].append(decode_ms_per_token(model if name == "NHA" else original, ids))
     return out
 
 
@@ -112,14 +109,14 @@ def ratios(rounds):
 def profile_decode_step(model, ids, name, steps=10):
     """torch.profiler's table of 10 eager decode steps, by self CPU time: where the host time goes."""
     with torch.no_grad():
-        out = model(ids, use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache, _ = prefill(model, ids)
         token = ids[:, -1:]
-        model(token, use_cache=True, **{modeling._CACHE_ARGUMENT: cache})
+        positions = torch.full_like(token, ids.shape[1])
+        one_token_step(model, token, positions, cache)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                model(token, use_cache=True, **{modeling._CACHE_ARGUMENT: cache})
+            for step in range(steps):
+                one_token_step(model, token, positions + 1 + step, cache)
             torch.cuda.synchronize()
     print(f"== {name}: {steps} decode steps, host time by op")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
@@ -166,7 +163,7 @@ def main():
     parser.add_argument("--memory", action="store_true",
                         help="only print the peak memory of a training step with and without gradient checkpointing")
     parser.add_argument("--decode", action="store_true",
-                        help="only print the eager decode ms/token, NHA against the original (same SDPA backends)")
+                        help="only print the eager decode ms/token, NHA against the original")
     parser.add_argument("--rounds", type=int, default=5, help="alternating decode rounds of 20 steps, NHA and original")
     parser.add_argument("--profile", action="store_true",
                         help="with --decode: also print where the host time of 10 decode steps goes (torch.profiler)")
@@ -190,8 +187,7 @@ def main():
         print("ratio NHA / original per round: " + ", ".join(f"{x:.3f}" for x in ratios(rounds)))
         if args.profile:
             profile_decode_step(model, ids, "NHA")
-            with sdpa_kernel(modeling._DECODE_SDPA_BACKENDS):
-                profile_decode_step(original, ids, "original")
+            profile_decode_step(original, ids, "original")
         return
 
     os.environ["NHA_RETROFIT_KERNELS"] = "all"  # training and prefill through the chunk kernels
@@ -205,7 +201,6 @@ def main():
     with torch.no_grad():
         _, prefill_s = timed(lambda: model(ids, use_cache=True))
     original = original_model(model)  # the same weights without the NHA parts: every layer full attention
-    original_default_ms = decode_ms_per_token(original, ids)
     rounds = decode_rounds(model, original, ids, args.rounds)
     result = {
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
@@ -216,7 +211,6 @@ def main():
         "decode_ms_per_token_eager": statistics.median(rounds["NHA"]),
         "original_decode_ms_per_token_eager": statistics.median(rounds["original"]),
         "decode_ratio_per_round": [round(x, 3) for x in ratios(rounds)],
-        "original_decode_ms_per_token_eager_default_sdpa": original_default_ms,
     }
     print(json.dumps(result, indent=2))
     ok = result["logits_rel_err"] < 2e-2 and result["worst_grad_rel_err"] < 5e-2

@@ -1,18 +1,20 @@
 """Inference at real size in one GPU run: the `nha-retrofit bench` report of Llama-3-8B, Qwen2.5-7B and
 Qwen3-30B-A3B shapes (random bf16 weights at their published configs, `bench/random_weights.py`), each converted
-with 4 full layers spread evenly and w = 64, M = 64 elsewhere, against the original with the same weights:
+with 4 full layers spread evenly and w = 64, M = 64 elsewhere, against the original at its best with the same weights
+(every path of `nha_retrofit/bench/decoders.py`: eager on its dynamic cache, compiled on its static cache at every
+context, every window full on NHA's static-cache CUDA-graph path); 3 rounds in alternating order, medians with their
+range, every speed-up against the fastest baseline:
 
-- batch 1 at contexts 4K .. the model's positions: prefill ms, decode ms per token (both decode steps replayed from
-  a CUDA graph on a static cache), cache and peak memory; the longest context that fits;
-- decode tokens per second at batch sizes 1, 2, 4, ... until one does not fit, at 4K and 32K (the largest batch
-  by bisection);
-- Llama-3-8B only: the original's decode through torch.compile at 4K (transformers' own fast path), and
-  torch.profiler's tables of one NHA prefill at 32K (where its time goes, by CUDA time and by host time).
+- batch 1 at 4K, 32K and the model's positions (128K; 40K for Qwen3-30B-A3B): prefill ms, decode ms per token,
+  cache and peak memory;
+- decode tokens per second at batch sizes 1, 4, 16, ... until one does not fit, at 32K (the largest batch by
+  bisection), and the largest batch each cache allows by memory accounting (NHA's full layers in bf16 and in fp8);
+- with --profile, torch.profiler's tables of one NHA prefill at 32K of Llama-3-8B.
 
-Usage (GPU machine, about 8 minutes): python benchmarks/inference_report.py [--families llama3-8b,...]
-Writes benchmarks/results/inference_<family>_<gpu>.json and .md, and docs/images/inference_<family>_*.png; with OUT
-set (the device machine), the same paths under $OUT. `--quick`: a tiny config on the CPU in seconds (the test suite
-runs it), written to --out-dir.
+Usage (GPU machine): python benchmarks/inference_report.py [--families llama3-8b,...] [--contexts ...]
+Writes benchmarks/results/inference_<family>_<gpu>.json and .md, and docs/images/inference_<family>_*.png, each family
+as soon as it is measured; with OUT set (the device machine), the same paths under $OUT. `--quick`: a tiny config on
+the CPU in seconds (the test suite runs it), written to --out-dir.
 """
 
 import argparse
@@ -27,13 +29,15 @@ import torch
 from nha_retrofit.bench.output import write_report
 from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
 from nha_retrofit.bench.report import format_report
-from nha_retrofit.eval.speed import Bench, decode_room, run_benchmark
+from nha_retrofit.bench.engine import run_benchmark
+from nha_retrofit.bench.options import decode_room
 from nha_retrofit.plan import PlanSpec, build_plan
 
 REPO = Path(__file__).resolve().parent.parent
 DECODE_STEPS = 16
 BATCH_SIZES = [1, 4, 16, 64, 256, 1024, 4096]
-BATCH_CONTEXTS = [4096, 32768]
+BATCH_CONTEXTS = [32768]
+ROUNDS = 3
 PROFILE_CONTEXT = 32768
 QUICK_CONFIG = {
     "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -42,13 +46,9 @@ QUICK_CONFIG = {
 
 
 def family_contexts(config: dict) -> list[int]:
-    """4K, 8K, ... doubling while the positions hold it with the decode steps, then the longest they hold."""
+    """4K, 32K and the longest context the positions hold with the decode steps."""
     limit = config["max_position_embeddings"] - decode_room(DECODE_STEPS)
-    contexts, length = [], 4096
-    while length < limit:
-        contexts.append(length)
-        length *= 2
-    return contexts + [limit]
+    return sorted({min(length, limit) for length in (4096, 32768)} | {limit})
 
 
 def profile_prefill(model, length: int) -> dict:
@@ -84,15 +84,16 @@ def family_model(config: dict, device: str, dtype, quick: bool):
     return plan, random_nha_model(config, plan, device, dtype)
 
 
-def run_family(name: str, config: dict, device: str, dtype, quick: bool, contexts=None, batch_sizes=None) -> dict:
+def run_family(name: str, config: dict, device: str, dtype, quick: bool, contexts=None, batch_sizes=None,
+               compile_original: bool = True) -> dict:
     """The `bench` report of one family."""
     plan, model = family_model(config, device, dtype, quick)
     limit = config["max_position_embeddings"] - decode_room(DECODE_STEPS)
     contexts = sorted({min(c, limit) for c in contexts}) if contexts else family_contexts(config)
-    options = dict(contexts=[32, 64] if quick else contexts, decode_steps=2 if quick else DECODE_STEPS, rounds=1,
-                   batch_sizes=[1, 2, 4] if quick else batch_sizes or BATCH_SIZES,
-                   batch_contexts=[64] if quick else [c for c in BATCH_CONTEXTS if c in contexts], longest=True,
-                   progress=True)
+    options = dict(contexts=[32, 64] if quick else contexts, decode_steps=2 if quick else DECODE_STEPS,
+                   rounds=ROUNDS, batch_sizes=[1, 2, 4] if quick else batch_sizes or BATCH_SIZES,
+                   batch_contexts=[64] if quick else [c for c in BATCH_CONTEXTS if c in contexts] or contexts[-1:],
+                   compile_original=compile_original, progress=True)
     report = run_benchmark(model, **options)
     report = {"model": {"name": name, "random_weights": True, "layers": config["num_hidden_layers"],
                         "plan": plan.as_dict(), "plan_description": plan.describe(), "config": config}, **report}
@@ -102,13 +103,9 @@ def run_family(name: str, config: dict, device: str, dtype, quick: bool, context
     return report
 
 
-def llama_extras(report: dict, compile_original: bool) -> dict:
-    """Llama-3-8B's report with the original's decode through torch.compile at 4K and the 32K prefill profile."""
+def llama_profile(report: dict) -> dict:
+    """Llama-3-8B's report with the 32K prefill profile."""
     _, model = family_model(NAMED_CONFIGS["llama3-8b"], "cuda", torch.bfloat16, False)
-    if compile_original:
-        bench = Bench(model, decode_steps=DECODE_STEPS, rounds=1, compile_original=True)
-        report["original_compiled"] = [bench.compiled_latency(4096)]
-        del bench
     report["profile"] = profile_prefill(model, PROFILE_CONTEXT)
     release(model)
     return report
@@ -126,9 +123,11 @@ def main():
     parser.add_argument("--families", default=",".join(NAMED_CONFIGS), help="comma-separated named configs")
     parser.add_argument("--quick", action="store_true", help="a tiny config on the CPU (what the tests run)")
     parser.add_argument("--out-dir", type=Path, help="where to write (default: the repository, or $OUT)")
-    parser.add_argument("--contexts", help="comma-separated contexts instead of 4K..the positions (capped by them)")
+    parser.add_argument("--contexts",
+                        help="comma-separated contexts instead of 4K, 32K and the positions (capped by them)")
     parser.add_argument("--batch-sizes", help=f"comma-separated batch sizes instead of {BATCH_SIZES}")
-    parser.add_argument("--no-compile", action="store_true", help="skip the original's torch.compile timing")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the original's compiled path")
+    parser.add_argument("--profile", action="store_true", help="also profile one NHA prefill of Llama-3-8B at 32K")
     args = parser.parse_args()
     root = args.out_dir or Path(os.environ.get("OUT") or REPO)
     results, images = (root, root) if args.quick or args.out_dir else (root / "benchmarks" / "results",
@@ -143,10 +142,11 @@ def main():
     for name, config in families.items():  # each family written as soon as it is measured
         start = time.perf_counter()
         try:
-            report = run_family(name, config, device, dtype, args.quick, ints(args.contexts), ints(args.batch_sizes))
+            report = run_family(name, config, device, dtype, args.quick, ints(args.contexts), ints(args.batch_sizes),
+                                not args.no_compile)
             write(report, f"inference_{name}_{machine}", results, images)
-            if name == "llama3-8b" and not args.quick:
-                report = llama_extras(report, not args.no_compile)
+            if name == "llama3-8b" and args.profile and not args.quick:
+                report = llama_profile(report)
                 write(report, f"inference_{name}_{machine}", results, images)
                 print(f"\nNHA prefill at {report['profile']['context']}: {report['profile']['prefill_ms']:.0f} ms\n"
                       + report["profile"]["by_cuda_time"] + "\n" + report["profile"]["by_host_time"])

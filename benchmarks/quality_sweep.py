@@ -92,7 +92,8 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
     import torch
 
     from nha_retrofit.eval.retrieval_suite import build_suite, run_suite
-    from nha_retrofit.eval.variants import Variants, load_model, load_tokenizer
+    from nha_retrofit.eval.variants import Variants, load_tokenizer
+    from nha_retrofit.modeling.load import load_for_inference
 
     output = Path(args.output)
     results = json.loads(output.read_text()) if output.is_file() else {}
@@ -102,7 +103,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
     depths = [float(x) for x in args.depths.split(",")]
     suite = build_suite(tokenizer, lengths=lengths, samples=args.samples, depths=depths, group=args.group,
                         seed=args.seed)
-    pretrained = Variants(load_model(converted), ["original"])
+    pretrained = Variants(load_for_inference(converted), ["original"])
     decode = json.loads(Path(args.decode_json).read_text()) if args.decode_json else {}
     for name, overrides in variants.items():
         folder = root / name / "model"
@@ -111,7 +112,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
             print(f"{name}: no exported model; skipped", flush=True)
             continue
         summary = json.loads(summary_path.read_text())
-        model = load_model(folder)
+        model = load_for_inference(folder)
         with pretrained.use("original") as original:
             scored = run_suite({"original": original, "nha": model}, suite, batch_size=args.batch_size)
         config = model.config

@@ -12,8 +12,9 @@ Parts, each a child process under a time cap (a failure is recorded and the rest
 - convert: a Llama-3-8B-shaped checkpoint (Hub shards) and `nha-retrofit convert --full-layers 4`: time, peak RSS;
 - train: the 8B recipe, attention transfer then LM with distillation, checkpoints; tokens/s per stage, peak GPU
   memory beside the projection; then, on the same loaded model, the recipe's own LM step side by side with the
-  original model trained the same way (every window full: SDPA in every layer), at 2K and at a long context, each
-  with a torch.profiler breakdown of GPU time (the NHA Triton kernels by name, SDPA, matrix products, the rest);
+  original model trained the same way (every window full: SDPA in every layer), at 2K and at a long context, 20
+  one-micro-step optimizer steps after a warm-up in each order (NHA first, then the original first), NHA with a
+  torch.profiler breakdown of GPU time (the NHA Triton kernels by name, SDPA, matrix products, the rest);
 - kill / resume: the same run killed (SIGKILL) between two checkpoints and resumed; the losses after the resume
   against the uninterrupted run's; checkpoint, resume and export time and memory;
 - export: the merged export loaded with AutoModelForCausalLM (remote code) and generating;
@@ -35,6 +36,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -54,7 +56,7 @@ NHA_KERNELS = ("_fwd_kernel", "_rows_kernel", "_keys_merged_kernel", "_state_gra
                "_segment_update_kernel", "_chunk_update_kernel", "_chained_scan_kernel", "_alpha_grad_kernel",
                "_keys_kernel", "_keys_da_kernel")
 PARTS = ("convert", "train", "kill", "resume", "export", "moe", "fsdp", "scaling", "zero3")
-CAPS = {"convert": 150, "train": 260, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240, "scaling": 300,
+CAPS = {"convert": 150, "train": 480, "kill": 120, "resume": 200, "export": 90, "moe": 220, "fsdp": 240, "scaling": 300,
         "zero3": 330}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
 TINY_MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -73,6 +75,7 @@ class Settings:
         given = (args.transfer_steps, args.lm_steps, args.checkpoint_at)
         self.transfer_steps, self.lm_steps, self.kill_after = (g if g is not None else d for g, d in zip(given, steps))
         self.long_context = 64 if self.quick else args.long_context
+        self.timed_steps = 2 if self.quick else 20  # optimizer steps per side-by-side measurement, in each order
         self.moe_layers = args.moe_layers
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -243,10 +246,11 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-def measure_steps(run, context: int, original: bool, micro_steps: int = 4) -> dict:
+def measure_steps(run, context: int, original: bool, micro_steps: int = 4, steps: int = 1,
+                  profiled: bool = True) -> dict:
     """The recipe's LM step over `micro_steps` micro-steps (the whole optimizer step when the recipe accumulates
-    no more; at `context` tokens per block, as many tokens per micro-step as the recipe's batch or one block), timed
-    after a warm-up micro-step; then, for NHA, one profiled micro-step."""
+    no more; at `context` tokens per block, as many tokens per micro-step as the recipe's batch or one block), `steps`
+    of them timed after a warm-up step; then, for NHA with `profiled`, one profiled micro-step."""
     from torch.profiler import ProfilerActivity, profile
 
     r = run.recipe
@@ -263,16 +267,18 @@ def measure_steps(run, context: int, original: bool, micro_steps: int = 4) -> di
         synchronize()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        batches = [micro_batch() for _ in range(min(micro_steps, r.train.grad_accum))]
+        per_step = min(micro_steps, r.train.grad_accum)
+        batches = [[micro_batch() for _ in range(per_step)] for _ in range(steps)]
         start = time.perf_counter()
-        run.optimizer_step("lm", batches)
+        for step_batches in batches:
+            run.optimizer_step("lm", step_batches)
         synchronize()
         seconds = time.perf_counter() - start
-        result["tokens_per_s"] = round(len(batches) * per_micro / seconds)
-        result["micro_steps"], result["seconds"] = len(batches), round(seconds, 3)
+        result["tokens_per_s"] = round(steps * per_step * per_micro / seconds)
+        result["steps"], result["micro_steps"], result["seconds"] = steps, per_step, round(seconds, 3)
         if torch.cuda.is_available():
             result["peak_gib"] = gib(torch.cuda.max_memory_allocated())
-        if original:  # the NHA kernels' share is what the profile is for
+        if original or not profiled:  # the NHA kernels' share is what the profile is for
             return result
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         batch = micro_batch()
@@ -296,14 +302,27 @@ def without_checkpointing(run) -> dict:
     return result
 
 
-def side_by_side(run, contexts) -> list[dict]:
+def side_by_side(run, contexts, steps: int) -> list[dict]:
+    """NHA and the original trained the same way at each context, `steps` optimizer steps of one micro-step each,
+    timed in both orders (NHA first, then the original first): the median rate of the two and both, and NHA's
+    against the original's."""
     rows = []
     for context in contexts:
-        nha, original = measure_steps(run, context, False), measure_steps(run, context, True)
+        measured = {False: [], True: []}
+        for order in ((False, True), (True, False)):
+            for original in order:
+                measured[original].append(measure_steps(run, context, original, micro_steps=1, steps=steps,
+                                                        profiled=not original and not measured[False]))
+        nha, original = (dict(measured[side][0]) for side in (False, True))
+        for row, side in ((nha, False), (original, True)):
+            rates = [m["tokens_per_s"] for m in measured[side]]
+            row.update(tokens_per_s=round(statistics.median(rates)), tokens_per_s_by_order=rates,
+                       seconds=[m["seconds"] for m in measured[side]])
         nha["vs_original"] = round(nha["tokens_per_s"] / original["tokens_per_s"], 3)
         rows += [nha, original]
         log(f"  context {context}: NHA {nha['tokens_per_s']:,} tokens/s, original {original['tokens_per_s']:,} "
-            f"tokens/s ({nha['vs_original']}x); NHA kernels {nha['profile'].get('nha_share', 0):.1%} of the time")
+            f"tokens/s ({nha['vs_original']}x; {steps} steps in each order); NHA kernels "
+            f"{nha['profile'].get('nha_share', 0):.1%} of the time")
     return rows
 
 
@@ -346,7 +365,7 @@ def part_train(s: Settings) -> dict:
     shutil.copy(out / "metrics.jsonl", s.path("main_metrics.jsonl"))
     result["projected_gib_8_gpus_fsdp"] = run.project_memory(run.unwrapped, 8, "fsdp")
     run.recipe.stages.lm.distill_weight = 0.0  # the side-by-side steps: the recipe's own LM objective
-    result["side_by_side"] = side_by_side(run, (run.recipe.data.seq_len, s.long_context))
+    result["side_by_side"] = side_by_side(run, (run.recipe.data.seq_len, s.long_context), s.timed_steps)
     result["no_gradient_checkpointing"] = without_checkpointing(run)
     result["projection_10b_8_gpus"] = projection_10b(result["side_by_side"][0]["tokens_per_s"])
     if result["tokens_per_s"].get("lm"):
@@ -452,7 +471,7 @@ def part_moe(s: Settings) -> dict:
     run, wall = run_recipe(MOE_RECIPE, s.moe_overrides(out))
     result = {"layers": s.moe_config()["num_hidden_layers"], "full_layers": s.moe_full_layers(),
               "source_written_s": written, **training_figures(run, wall)}
-    result["side_by_side"] = side_by_side(run, (run.recipe.data.seq_len,))
+    result["side_by_side"] = side_by_side(run, (run.recipe.data.seq_len,), s.timed_steps)
     result["projection_2b_8_gpus"] = projection_10b(result["side_by_side"][0]["tokens_per_s"], tokens=2.05e9)
     shutil.rmtree(out)
     shutil.rmtree(source)

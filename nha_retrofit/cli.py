@@ -236,10 +236,14 @@ def bench(
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes for decode throughput.")] = "",
     batch_contexts: Annotated[str | None, typer.Option(help="Contexts of the batch runs (default: all).")] = None,
     decode_steps: Annotated[int, typer.Option(help="Greedy one-token steps timed after each prefill.")] = 16,
-    rounds: Annotated[int, typer.Option(help="Alternating rounds, original then NHA; medians are reported.")] = 3,
+    rounds: Annotated[int, typer.Option(help="Rounds in alternating order; medians with their range are reported.")] = 3,
     longest: Annotated[bool, typer.Option(help="Also find the longest context that fits, by doubling.")] = False,
     compile_original: Annotated[bool, typer.Option(
-        help="Also time the original's decode through torch.compile (first context, batch 1).")] = False,
+        help="Time the original's decode through torch.compile at every context (CUDA; one compile per context).")] = (
+        True
+    ),
+    kv_cache_dtype: Annotated[str, typer.Option(
+        help="NHA's full layers' keys and values: auto (the model's dtype) or float8_e4m3.")] = "auto",
     layers: Annotated[int | None, typer.Option(help="With --random-weights: keep only the first N layers.")] = None,
     full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
@@ -256,7 +260,7 @@ def bench(
     json_output: JsonOption = None,
 ):
     """Prefill, decode, memory and batch throughput: an NHA model against its original with the same weights."""
-    from .eval.speed import benchmark_checkpoint, benchmark_random_weights
+    from .bench.run import benchmark_checkpoint, benchmark_random_weights
 
     if (checkpoint is None) == (random_weights is None):
         raise NHARetrofitError("give a checkpoint folder or --random-weights CONFIG (one of the two)")
@@ -264,7 +268,7 @@ def bench(
         contexts=parse_ints(contexts, "context lengths such as 512,2048"), decode_steps=decode_steps, rounds=rounds,
         batch_sizes=parse_ints(batch_sizes, "batch sizes such as 1,8,32"), longest=longest,
         batch_contexts=None if batch_contexts is None else parse_ints(batch_contexts, "context lengths"),
-        compile_original=compile_original, device=device, dtype=dtype, progress=True,
+        compile_original=compile_original, kv_cache=kv_cache_dtype, device=device, dtype=dtype, progress=True,
     )
     if checkpoint is not None:
         report = benchmark_checkpoint(checkpoint, **options)
@@ -276,6 +280,8 @@ def bench(
     from .bench.report import format_report
 
     typer.echo(format_report(report))
+    for warning in report["warnings"]:
+        typer.secho(f"warning: {warning}", err=True)
     write_json(json_output, report)
     if output is not None:
         written = write_report(report, output)

@@ -16,8 +16,8 @@ from pathlib import Path
 from .conversion.converter import CONVERSION_RECORD, TOKENIZER_FILES
 from .conversion.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
-from .eval.compare import nha_checkpoint_class
 from .eval.report import EVAL_RECORD, read_record
+from .modeling.load import nha_checkpoint_class
 from .modeling.remote_code import checkpoint_remote_code
 from .plan import cache_dims, nha_state_bytes
 

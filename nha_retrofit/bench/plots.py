@@ -1,15 +1,17 @@
 """The bench report's charts (matplotlib, an optional extra): latency against context, memory against context, and
-decode tokens per second against batch size, both models on each."""
+decode tokens per second against batch size, every measured path on each."""
 
 import importlib.util
 from pathlib import Path
 
 from ..atomic import atomic_file
-from .report import MODELS, context_label
+from .report import context_label, paths
 
 MISSING = "charts need matplotlib: pip install 'nha-retrofit[plots]'"
-STYLE = {"original": dict(color="tab:gray", marker="o", label="original"),
-         "nha": dict(color="tab:blue", marker="s", label="NHA")}
+STYLE = {"nha": dict(color="tab:blue", marker="s", label="NHA"),
+         "original, eager": dict(color="tab:gray", marker="o", label="original, eager"),
+         "original, compiled": dict(color="tab:orange", marker="^", label="original, compiled"),
+         "original, every window full": dict(color="tab:green", marker="v", label="original, every window full")}
 
 
 def available() -> bool:
@@ -45,13 +47,14 @@ def write_plots(report: dict, folder: Path, stem: str) -> list[Path]:
     title = (report.get("model") or {}).get("name") or "model"
     subtitle = f"{report['machine']['device']}, {report['dtype']}"
     contexts = sorted({r["context"] for r in report["latency"]})
-    by_model = {name: [r for r in report["latency"] if r["model"] == name] for name in MODELS}
+    names = paths(report)
+    by_model = {name: [r for r in report["latency"] if r["model"] == name] for name in names}
     written = []
 
     figure, axes = pyplot.subplots(1, 2, figsize=(11, 4))
     for axis, key, label in ((axes[0], "prefill_ms", "prefill (ms)"), (axes[1], "decode_ms_per_token",
                                                                         "decode (ms per token)")):
-        for name in MODELS:
+        for name in names:
             axis.plot(*_series(by_model[name], key), **STYLE[name])
         _context_axis(axis, contexts)
         axis.set_ylabel(label)
@@ -64,7 +67,7 @@ def write_plots(report: dict, folder: Path, stem: str) -> list[Path]:
 
     peak = any(r.get("peak_bytes") is not None for r in report["latency"])
     figure, axis = pyplot.subplots(figsize=(6, 4))
-    for name in MODELS:
+    for name in names:
         xs, ys = _series(by_model[name], "peak_bytes" if peak else "cache_bytes")
         axis.plot(xs, [y / 2**30 for y in ys], **STYLE[name])
         if peak:
@@ -82,10 +85,11 @@ def write_plots(report: dict, folder: Path, stem: str) -> list[Path]:
     if batch_contexts:
         figure, axes = pyplot.subplots(1, len(batch_contexts), figsize=(5.5 * len(batch_contexts), 4), squeeze=False)
         for axis, length in zip(axes[0], batch_contexts):
-            for name in MODELS:
+            for name in names:
                 points = sorted((r["batch"], r["tokens_per_s"]) for r in report["throughput"]
                                 if r["model"] == name and r["context"] == length and r["fits"])
-                axis.plot([p[0] for p in points], [p[1] for p in points], **STYLE[name])
+                if points:
+                    axis.plot([p[0] for p in points], [p[1] for p in points], **STYLE[name])
             batches = sorted({r["batch"] for r in report["throughput"] if r["context"] == length})
             axis.set_xscale("log", base=2)
             axis.set_xticks(batches, [str(b) for b in batches])

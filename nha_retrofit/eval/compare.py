@@ -1,32 +1,10 @@
-"""Loading NHA checkpoints, and their held-out perplexity against the original: the first number every user wants."""
-
-import json
-from pathlib import Path
+"""Held-out perplexity of an NHA checkpoint against the original: the first number every user wants."""
 
 import torch
 
-from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..errors import NHARetrofitError
 from .perplexity import perplexity
 from .texts import HELDOUT_TEXTS, load_heldout_tokens
-
-
-def nha_checkpoint_class(folder: Path):
-    """The nha_retrofit model class of the NHA checkpoint at `folder` (a clear error for anything else)."""
-    config_path = Path(folder) / "config.json"
-    if not config_path.is_file():
-        raise NHARetrofitError(f"{folder} is not a checkpoint folder (no config.json)")
-    model_type = json.loads(config_path.read_text()).get("model_type", "")
-    families = {model_class.config_class.model_type: model_class for model_class in NHA_MODEL_CLASSES.values()}
-    if model_type not in families:
-        raise NHARetrofitError(f"{folder} is not an NHA checkpoint (model_type {model_type!r})")
-    return families[model_type]
-
-
-def load_nha_checkpoint(folder: Path, dtype=torch.float32):
-    """An NHA checkpoint through nha_retrofit's own classes (no remote code needed when the package is here)."""
-    return nha_checkpoint_class(folder).from_pretrained(folder, dtype=dtype).eval()
-
 
 DEFAULT_TEXTS = ("python-stdlib", "python-docs", "shakespeare")
 

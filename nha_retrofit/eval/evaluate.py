@@ -16,13 +16,13 @@ import torch
 import transformers
 
 from ..errors import NHARetrofitError
+from ..modeling.load import device_name, load_for_inference, resolve_placement
 from .compare import DEFAULT_TEXTS, check_texts, compare_perplexity, generate_text
 from .positions import PositionSpec
 from .needles import SUITE_TASKS
 from .retrieval import RETRIEVAL_TASKS, RetrievalSpec, check_lengths, check_spec, default_lengths
 from .retrieval_suite import SuiteSpec, check_suite_options
-from .variants import (VARIANTS, Variants, check_variants, device_name, load_model, load_tokenizer,
-                       read_checkpoint_facts, resolve_placement)
+from .variants import VARIANTS, Variants, check_variants, load_tokenizer, read_checkpoint_facts
 
 TASK_ALIASES = {"niah": ["niah_single", "niah_multikey"]}
 BUILTIN_TASKS = ("heldout", "passkey", "niah", "niah_single", "niah_multikey", "suite", "positions")
@@ -124,7 +124,7 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
     sequences = (long_sequences(tokenizer, positions.texts, positions.length, positions.sequences)
                  if plan.positions else None)
 
-    model = load_model(folder, device, dtype)
+    model = load_for_inference(folder, device, dtype)
     compared = Variants(model, variant_names)
     report = {
         "checkpoint": str(folder), "device": device_name(model.device),

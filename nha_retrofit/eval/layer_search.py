@@ -23,8 +23,8 @@ from ..conversion.layer_ranking import layer_retrieval_scores, rank_layers
 from ..conversion.resolve import resolve_model
 from ..conversion.source import read_source_config_dict
 from ..errors import NHARetrofitError
+from ..modeling.load import resolve_device
 from ..plan import PlanSpec, build_plan, select_full_layers
-from .speed import resolve_device
 from .texts import HELDOUT_TEXTS, load_heldout_tokens
 
 

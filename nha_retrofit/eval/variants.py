@@ -18,12 +18,10 @@ import contextlib
 import json
 from pathlib import Path
 
-import torch
-
 from ..conversion.converter import CONVERSION_RECORD
 from ..errors import NHARetrofitError
-from .compare import nha_checkpoint_class
-from .speed import original_sharing_weights, resolve_device, resolve_dtype
+from ..modeling.decoding import original_sharing_weights
+from ..modeling.load import nha_checkpoint_class
 
 VARIANTS = ("original", "nha", "nha_all_full", "window_only")
 VARIANT_TITLES = {"original": "original", "nha": "NHA", "nha_all_full": "NHA, all full", "window_only": "window only"}
@@ -61,22 +59,6 @@ def load_tokenizer(folder):
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as error:
         raise NHARetrofitError(f"{folder} has no usable tokenizer ({str(error).splitlines()[0]})") from None
-
-
-def resolve_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """`device` auto: CUDA if present; `dtype` auto: bfloat16 on CUDA, float32 on the CPU."""
-    target = resolve_device(device)
-    return target, resolve_dtype(dtype, target)
-
-
-def load_model(folder, device: str = "auto", dtype: str = "auto"):
-    """The NHA checkpoint at `folder` in eval mode on `device` in `dtype` (`resolve_placement`)."""
-    target, weights_dtype = resolve_placement(device, dtype)
-    return nha_checkpoint_class(Path(folder)).from_pretrained(folder, dtype=weights_dtype).eval().to(target)
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 class Variants:

@@ -87,7 +87,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32):
     """The NHA model in `dtype` on the CPU (accelerate moves it)."""
     from ..conversion.converter import build_nha_model
     from ..conversion.resolve import resolve_model
-    from ..eval.compare import load_nha_checkpoint
+    from ..modeling.load import load_nha_checkpoint
 
     folder = source.folder if source.spec is None else resolve_model(source.spec.path, revision=source.spec.revision)
     if source.converted:

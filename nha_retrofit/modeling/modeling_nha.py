@@ -226,7 +226,7 @@ class NHAForCausalLMMixin:
             cache.positions.admit(tokens.shape[1], kwargs.get("nha_padding_mask"))
             if tokens.shape[1] == 1:  # its layers read the cache's real-token flags, not transformers' masks
                 attention_mask = None
-        kwargs[_CACHE_ARGUMENT] = cache
+        kwargs[CACHE_ARGUMENT] = cache
         # cuDNN's SDPA plans anew for every key length: ~35 ms of CPU per decode step on an H200 (torch 2.11). The
         # full layers' decode steps use the other SDPA backends, set once per model step (a switch costs host time).
         decoding_on_gpu = tokens is not None and tokens.is_cuda and tokens.shape[1] == 1
@@ -261,14 +261,15 @@ class NHAForCausalLMMixin:
             return self._step(ids, None, positions, None, None, True, 1, cache, nha_padding_mask=mask)
 
         output = cache.decode_graph(step, input_ids, position_ids, token_mask)
-        output[_CACHE_ARGUMENT] = cache
+        output[CACHE_ARGUMENT] = cache
         return output
 
 
 _DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# transformers renamed `past_key_values` to `cache` during 5.x; pass whichever this version's models take.
-_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+# The keyword a model's forward takes its generation cache under: transformers renamed `past_key_values` to `cache`
+# during 5.x, and this is whichever the installed version's models take.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 class NHALlamaAttention(NHAAttentionMixin, LlamaAttention):

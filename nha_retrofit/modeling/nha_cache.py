@@ -214,38 +214,94 @@ class _StaticLayer(CacheLayerMixin):
 class StaticFullLayer(_StaticLayer):
     """A full-attention layer's keys and values [B, H, L, D], allocated once. A prefill runs the original attention
     (`update` stores its keys and values and hands back what it attends to); a one-token step stores its key and
-    value at the current position and attends over the whole cache (`decode`)."""
+    value at the current position and attends over the whole cache (`decode`).
+
+    With `kv_dtype` float8 (e4m3), keys and values are stored in it with one float32 scale per position and head
+    (`quantize`), and dequantized to the model's dtype where they are read: half the bytes of a bfloat16 cache, plus
+    4 per head dimension's worth of scales."""
 
     is_sliding = False
 
-    def __init__(self, positions: StaticPositions, kv_heads: int, head_dim: int, dtype):
+    def __init__(self, positions: StaticPositions, kv_heads: int, head_dim: int, dtype, kv_dtype=None):
         super().__init__(positions)
-        self.keys = torch.zeros(self.batch_size, kv_heads, self.max_cache_len, head_dim, dtype=dtype,
+        if kv_dtype not in (None, dtype, *FLOAT8_DTYPES):
+            raise ValueError(f"keys and values are stored in the model's dtype or in float8, not in {kv_dtype}")
+        self.dtype = dtype
+        self.keys = torch.zeros(self.batch_size, kv_heads, self.max_cache_len, head_dim, dtype=kv_dtype or dtype,
                                 device=self.device)
         self.values = torch.zeros_like(self.keys)
+        self.quantized = self.keys.dtype in FLOAT8_DTYPES
+        if self.quantized:
+            self.key_scales = torch.ones(self.keys.shape[:3], dtype=torch.float32, device=self.device)
+            self.value_scales = torch.ones_like(self.key_scales)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values]
+        return [self.keys, self.values] + ([self.key_scales, self.value_scales] if self.quantized else [])
+
+    def _store(self, keys, values) -> None:
+        """Write keys and values [B, H, T, D] at the current positions."""
+        index = self.positions.current
+        if not self.quantized:
+            self.keys.index_copy_(2, index, keys)
+            self.values.index_copy_(2, index, values)
+            return
+        for stored, scales, new in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
+            quantized, scale = quantize(new, stored.dtype)
+            stored.view(torch.uint8).index_copy_(2, index, quantized.view(torch.uint8))  # as bytes: no float8 kernel
+            scales.index_copy_(2, index, scale)
+
+    def stored(self, end: int | None = None, batch: slice = slice(None)):
+        """(keys, values) of positions [0, end) (all: None) of the sequences `batch`, in the model's dtype."""
+        keys, values = self.keys[batch, :, :end], self.values[batch, :, :end]
+        if not self.quantized:
+            return keys, values
+        return (dequantize(keys, self.key_scales[batch, :, :end], self.dtype),
+                dequantize(values, self.value_scales[batch, :, :end], self.dtype))
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Store [B, H, T, D] at the current positions; return the keys and values the attention reads: the new
         ones for a first prefill, else every filled position (a one-token step: the whole cache)."""
-        self.keys.index_copy_(2, self.positions.current, key_states)
-        self.values.index_copy_(2, self.positions.current, value_states)
+        self._store(key_states, value_states)
         end = self.positions.mask_sizes(key_states.shape[2])[0]
         if end == key_states.shape[2]:
             return key_states, value_states
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.stored(end)
 
     def decode(self, query, key, value, scale):
         """One token per sequence: store key and value [B, 1, H, D], then attend with query [B, 1, HQ, D] (post-RoPE)
-        over every real stored position: [B, 1, HQ, Dv]."""
-        self.keys.index_copy_(2, self.positions.current, key.transpose(1, 2))
-        self.values.index_copy_(2, self.positions.current, value.transpose(1, 2))
-        return attend_stored(query, self.keys, self.values, self.positions.real, scale)
+        over every real stored position: [B, 1, HQ, Dv]. A float8 cache is dequantized a few sequences at a time
+        (`DEQUANTIZED_BYTES` at most), so that reading it never holds a model-dtype copy of the whole layer."""
+        self._store(key.transpose(1, 2), value.transpose(1, 2))
+        real = self.positions.real
+        if not self.quantized:
+            return attend_stored(query, self.keys, self.values, real, scale)
+        per_sequence = 2 * self.keys[0].numel() * query.element_size()
+        group = max(1, DEQUANTIZED_BYTES // per_sequence)
+        parts = []
+        for start in range(0, self.batch_size, group):
+            rows = slice(start, start + group)
+            parts.append(attend_stored(query[rows], *self.stored(batch=rows), real[rows], scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def reset(self) -> None:
         pass  # stale keys are never read: `StaticPositions.reset` clears the real-token flags
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn,)
+DEQUANTIZED_BYTES = 256 * 2**20  # the model-dtype keys and values one float8 layer's decode step reads at once
+
+
+def quantize(tensor: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`tensor` [..., D] in the float8 `dtype`, float32 scales [...]): each D-vector divided by its largest magnitude
+    over the format's largest finite value, so that it spans the format's range."""
+    largest = torch.finfo(dtype).max
+    scale = tensor.abs().amax(-1).float().clamp(min=torch.finfo(torch.float32).tiny) / largest
+    return (tensor.float() / scale.unsqueeze(-1)).clamp(-largest, largest).to(dtype), scale
+
+
+def dequantize(tensor: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    """The inverse of `quantize`, in `dtype`."""
+    return (tensor.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 class NHAStaticLayer(_StaticLayer):
@@ -290,19 +346,21 @@ class NHAStaticCache(Cache):
     """Everything allocated at construction for `batch_size` sequences of up to `max_cache_len` tokens:
     `StaticFullLayer` for full layers, `NHAStaticLayer` otherwise, sharing one `StaticPositions`. On CUDA the model
     replays its one-token steps on this cache from a CUDA graph captured at its first one-token step
-    (`decode_graph.py`), unless built with `cuda_graph=False`."""
+    (`decode_graph.py`), unless built with `cuda_graph=False`. `kv_cache_dtype` (default: `dtype`) is what the full
+    layers store their keys and values in (`StaticFullLayer`: float8 e4m3 halves them)."""
 
-    def __init__(self, config, batch_size: int, max_cache_len: int, dtype, device, cuda_graph: bool = True):
+    def __init__(self, config, batch_size: int, max_cache_len: int, dtype, device, cuda_graph: bool = True,
+                 kv_cache_dtype=None):
         self.positions = StaticPositions(batch_size, stored_length(max_cache_len), device)
         kv_heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers = [
-            StaticFullLayer(self.positions, kv_heads, head_dim, dtype) if window is None
+            StaticFullLayer(self.positions, kv_heads, head_dim, dtype, kv_cache_dtype) if window is None
             else NHAStaticLayer(self.positions, window, kv_heads, config.nha_num_slots, head_dim, dtype)
             for window in config.nha_layer_windows
         ]
         super().__init__(layers=layers)
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.kv_cache_dtype = config, dtype, kv_cache_dtype
         self.cuda_graph = cuda_graph and self.positions.real.device.type == "cuda"
         self.decode_graph = None  # the CUDA graph runner of its one-token steps, made by the model at the first one
 
@@ -324,7 +382,7 @@ class NHAStaticCache(Cache):
         `repeat_interleave`): many continuations of one prefill without prefilling each."""
         batch, length = self.positions.real.shape
         new = NHAStaticCache(self.config, batch * repeats, length, self.dtype, self.positions.real.device,
-                             self.cuda_graph)
+                             self.cuda_graph, self.kv_cache_dtype)
         pairs = [(new.positions.length, self.positions.length), (new.positions.real, self.positions.real)]
         for target, source in zip(new.layers, self.layers):
             pairs += zip(target.tensors(), source.tensors())

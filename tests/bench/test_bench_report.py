@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from cli_helpers import cli
+from nha_retrofit.bench.engine import run_benchmark
+from nha_retrofit.bench.options import decode_room
 from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
 from nha_retrofit.bench.report import format_report
-from nha_retrofit.eval.speed import original_sharing_weights, run_benchmark
 from nha_retrofit.modeling import nha_cache
+from nha_retrofit.modeling.decoding import original_sharing_weights
 from nha_retrofit.plan import PlanSpec, build_plan
 
 TINY_CONFIG = {
@@ -73,23 +75,28 @@ def test_cli_bench_random_weights_writes_json_markdown_and_charts(config_file, t
     report = json.loads((out / "bench.json").read_text())
     assert report["model"]["random_weights"] and report["model"]["layers"] == 3
     assert report["model"]["plan"]["windows"] == [8, None, 8] and report["windows"] == [8, None, 8]
+    paths = ["nha", "original, eager", "original, every window full"]
     assert [(r["model"], r["context"], r["fits"]) for r in report["latency"]] == [
-        ("original", 24, True), ("nha", 24, True), ("original", 40, True), ("nha", 40, True)]
+        (m, c, True) for c in (24, 40) for m in paths]
+    assert report["baselines"] == paths[1:] and report["rounds"] == 1 and list(report["paths"]) == paths
+    assert [s["context"] for s in report["speedups"]] == [24, 40]
     assert {(r["model"], r["batch"]) for r in report["throughput"]} == {
-        (m, b) for m in ("original", "nha") for b in (1, 2)}
+        (m, b) for m in ("nha", "original, every window full") for b in (1, 2)}
     assert all(r["tokens_per_s"] > 0 for r in report["throughput"])
+    assert [r["context"] for r in report["batch_speedups"]] == [40] and report["batch_speedups"][0]["speedup"] > 0
     assert [r["limited_by"] for r in report["longest_context"]] == ["positions", "positions"]
     assert (out / "bench.md").read_text().strip() == format_report(report) and "| 40 | 2 |" in output
 
 
 def test_an_allocation_that_does_not_fit_is_the_limit_and_the_run_goes_on(monkeypatch):
-    """A static cache of 3 or more sequences, or of more than 40 positions, 'runs out of memory': those sizes are
-    recorded as not fitting, the largest batch is found between the last fit and the first failure, and every
-    other measurement still runs."""
+    """A static cache of 3 or more sequences, or of more than 40 positions, 'runs out of memory' (the memory
+    accounting's caches on the meta device allocate nothing): those sizes are recorded as not fitting, the largest
+    batch is found between the last fit and the first failure, and every other measurement still runs (the
+    original's dynamic cache is not limited)."""
     allocate = nha_cache.StaticPositions.__init__
 
     def limited(self, batch_size, length, device):
-        if batch_size >= 3 or length > 40 + 8:
+        if str(device) != "meta" and (batch_size >= 3 or length > 40 + decode_room(1)):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         allocate(self, batch_size, length, device)
 
@@ -97,20 +104,21 @@ def test_an_allocation_that_does_not_fit_is_the_limit_and_the_run_goes_on(monkey
     report = run_benchmark(tiny_model(), contexts=[24, 40, 64], decode_steps=1, rounds=1, batch_sizes=[1, 2, 4, 8],
                            batch_contexts=[24, 64])
     fits = {(r["model"], r["context"]): r["fits"] for r in report["latency"]}
-    assert fits == {("original", 24): True, ("nha", 24): True, ("original", 40): True, ("nha", 40): True,
-                    ("original", 64): True, ("nha", 64): False}
+    static = ("nha", "original, every window full")
+    assert fits == {**{(m, c): c < 64 for m in static for c in (24, 40, 64)},
+                    **{("original, eager", c): True for c in (24, 40, 64)}}
     tried = {(r["model"], r["context"], r["batch"]): r["fits"] for r in report["throughput"]}
-    assert tried == {("nha", 24, 1): True, ("nha", 24, 2): True, ("nha", 24, 4): False, ("nha", 24, 3): False,
-                     **{("original", c, b): True for c in (24, 64) for b in (1, 2, 4, 8)}}
+    assert tried == {(m, 24, b): b < 3 for m in static for b in (1, 2, 4, 3)}
     largest = {(r["model"], r["context"]): (r["largest_batch"], r["first_failing"]) for r in report["largest_batch"]}
-    assert largest == {("nha", 24): (2, 3), ("original", 24): (8, None), ("original", 64): (8, None)}
+    assert largest == {(m, 24): (2, 3) for m in static}
+    assert [s.get("decode_ms_per_token", {}).get("baseline") for s in report["speedups"]][-1] is None
     table = format_report(report)
-    assert "| 64 | " in table and "does not fit" in table and "2 (3 does not fit)" in table
+    assert "| 64 | nha | does not fit |" in table and "2 (3 does not fit)" in table
 
 
 @pytest.mark.parametrize("args, message", [
     (["--random-weights", "llama-9000"], "unknown --random-weights 'llama-9000': use llama3-8b, qwen2.5-7b"),
-    (["--random-weights", "CONFIG", "--contexts", "250"], "250 + 36 decode positions exceeds the model's "
+    (["--random-weights", "CONFIG", "--contexts", "250"], "250 + 40 decode positions exceeds the model's "
      "max_position_embeddings (256)"),
     (["--random-weights", "CONFIG", "--layers", "9"], "--layers 9: the model has 1..4 layers"),
     (["--random-weights", "CONFIG", "--batch-sizes", "1,2", "--batch-contexts", "99", "--contexts", "24"],
@@ -134,6 +142,7 @@ def test_benchmark_script_quick_mode_writes_the_report(tmp_path, monkeypatch, ca
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--quick", "--out-dir", str(tmp_path)])
     runpy.run_path(str(SCRIPT), run_name="__main__")
     report = json.loads((tmp_path / "inference_tiny-llama_cpu.json").read_text())
-    assert {r["model"] for r in report["latency"]} == {"original", "nha"} and report["throughput"]
+    assert {r["model"] for r in report["latency"]} == {"nha", "original, eager", "original, every window full"}
+    assert report["throughput"] and report["rounds"] >= 3
     assert (tmp_path / "inference_tiny-llama_cpu.md").read_text().startswith("tiny-llama: NHA against the original")
     assert "== tiny-llama:" in capsys.readouterr().out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cli_helpers import cli
-from nha_retrofit.eval.compare import load_nha_checkpoint
+from nha_retrofit.modeling.load import load_nha_checkpoint
 from tiny_models import tiny_family_model, tiny_llama
 
 

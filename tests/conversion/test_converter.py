@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 from cli_helpers import cli
 from fresh_process import run_without_nha_retrofit
 from nha_retrofit.conversion import convert
-from nha_retrofit.eval.compare import load_nha_checkpoint
+from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.plan import PlanSpec
 from nha_retrofit.modeling.remote_code import REMOTE_CODE_FILES
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from fresh_process import run_without_nha_retrofit
 from nha_retrofit.conversion import convert
-from nha_retrofit.eval.compare import load_nha_checkpoint
+from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.plan import PlanSpec
 from real_tokenizers import FAMILY_TOKENIZERS
 from tiny_models import tiny_family_model

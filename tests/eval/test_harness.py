@@ -11,7 +11,8 @@ pytest.importorskip("lm_eval")
 from nha_retrofit.errors import NHARetrofitError  # noqa: E402
 from nha_retrofit.eval.evaluate import BUILTIN_TASKS  # noqa: E402
 from nha_retrofit.eval.harness import harness_scores, task_manager  # noqa: E402
-from nha_retrofit.eval.variants import VARIANTS, Variants, load_model, load_tokenizer  # noqa: E402
+from nha_retrofit.eval.variants import VARIANTS, Variants, load_tokenizer  # noqa: E402
+from nha_retrofit.modeling.load import load_for_inference  # noqa: E402
 
 @pytest.fixture
 def offline(monkeypatch):
@@ -23,7 +24,7 @@ def offline(monkeypatch):
 def test_local_tasks_score_the_original_and_the_all_full_model_alike(tiny_checkpoint, local_tasks, offline):
     names = ["tiny_choice", "tiny_rolling"]
     manager = task_manager(names, local_tasks, BUILTIN_TASKS)
-    variants = Variants(load_model(tiny_checkpoint, "cpu", "float32"), VARIANTS)
+    variants = Variants(load_for_inference(tiny_checkpoint, "cpu", "float32"), VARIANTS)
     scores = harness_scores(variants, load_tokenizer(tiny_checkpoint), names, manager, batch_size=4, limit=2)
     assert sorted(scores) == names
     assert scores["tiny_choice"]["examples"] == 2 and scores["tiny_rolling"]["examples"] == 2
@@ -44,7 +45,7 @@ def test_wrong_task_name_and_hub_task_offline_are_one_line(tiny_checkpoint, loca
                                                r"in \(heldout, passkey, .*`lm-eval ls tasks` lists them"):
         task_manager(["arc_esy"], local_tasks, BUILTIN_TASKS)
     manager = task_manager(["arc_easy"], local_tasks, BUILTIN_TASKS)  # a known task: its data is on the Hub
-    variants = Variants(load_model(tiny_checkpoint, "cpu", "float32"), ["nha"])
+    variants = Variants(load_for_inference(tiny_checkpoint, "cpu", "float32"), ["nha"])
     with pytest.raises(NHARetrofitError, match=r"lm-evaluation-harness could not load the data of arc_easy: "
                                                r"Couldn't reach 'allenai/ai2_arc' on the Hub") as error:
         harness_scores(variants, load_tokenizer(tiny_checkpoint), ["arc_easy"], manager)

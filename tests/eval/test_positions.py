@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.eval.positions import PositionSpec, long_sequences, position_buckets, run_positions
 from nha_retrofit.eval.texts import load_heldout_tokens
-from nha_retrofit.eval.variants import Variants, load_model
+from nha_retrofit.eval.variants import Variants
+from nha_retrofit.modeling.load import load_for_inference
 
 LENGTH = 200
 
@@ -34,7 +35,7 @@ def test_sequences_are_consecutive_pieces_of_each_text_in_turn(tiny_tokenizer):
 def test_mean_loss_per_range_matches_the_original_checkpoint(tiny_checkpoint, tiny_tokenizer):
     spec = PositionSpec(length=LENGTH, sequences=3, texts=["python-docs", "python-stdlib"])
     sequences = long_sequences(tiny_tokenizer, spec.texts, LENGTH, spec.sequences)
-    variants = Variants(load_model(tiny_checkpoint, "cpu", "float32"), ["original", "nha", "nha_all_full"])
+    variants = Variants(load_for_inference(tiny_checkpoint, "cpu", "float32"), ["original", "nha", "nha_all_full"])
     result = run_positions(variants, sequences, spec, batch_size=2)
     assert result["buckets"] == [[0, 64], [64, 128], [128, LENGTH]] and result["sequences"] == 3
 

@@ -128,13 +128,14 @@ def test_a_mistake_is_one_line(tiny_tokenizer, options, message):
 def test_teacher_forced_scoring_equals_greedy_generation(tiny_tokenizer, tiny_checkpoint):
     """On the tiny random model as the original: a sample counts exactly when `generate` writes its answer, and
     a sample whose answer is what `generate` wrote counts."""
-    from nha_retrofit.eval.variants import Variants, load_model
+    from nha_retrofit.eval.variants import Variants
+    from nha_retrofit.modeling.load import load_for_inference
 
     suite = build_suite(tiny_tokenizer, lengths=[480], samples=2, depths=[50], group="all",
                         tasks=["passkey", "niah_word"])
     samples = [sample for cell in suite.cells.values() for sample in cell]
     # float64: no near-tie between the two most likely tokens of the random model turns on the order of the sums
-    with Variants(load_model(tiny_checkpoint, "cpu").double(), ["original"]).use("original") as model:
+    with Variants(load_for_inference(tiny_checkpoint, "cpu").double(), ["original"]).use("original") as model:
         model.generation_config.eos_token_id = None  # the tiny vocabulary's token 2 is text, not an end
         written = []
         for sample in samples:

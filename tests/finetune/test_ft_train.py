@@ -26,7 +26,7 @@ def losses(folder):
 
 
 def state_dict(folder):
-    from nha_retrofit.eval.compare import load_nha_checkpoint
+    from nha_retrofit.modeling.load import load_nha_checkpoint
 
     return load_nha_checkpoint(folder).state_dict()
 

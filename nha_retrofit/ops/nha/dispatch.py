@@ -16,7 +16,7 @@ try:  # the Triton kernels (absolute import: this file runs as a checkpoint's re
     import triton  # noqa: F401
 
     from nha_retrofit.ops.nha.chunk import nha_attention_triton, nha_chunked_triton
-    from nha_retrofit.ops.nha.fused_recurrent import nha_recurrent_step_triton
+    from nha_retrofit.ops.nha.decode_op import nha_decode_step
 except ImportError:
     triton = None
 
@@ -65,7 +65,7 @@ def nha_operator(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, 
     recurrent form (the Triton step applies the gate to the logits itself), anything else the chunked form."""
     if state is not None and q.shape[1] == 1:
         triton_step = window is not None and _use_kernels(q, k, v, q_rope, k_rope, gate_logits, ("all", "decode"))
-        step = nha_recurrent_step_triton if triton_step else nha_recurrent_step
+        step = nha_decode_step if triton_step else nha_recurrent_step
         return step(q, k, v, q_rope, k_rope, gate_logits, window, scale, state=state, attention_mask=attention_mask,
                     slot_bias=slot_bias, gate_normalizer=gate_normalizer)
     log_alpha = gate_log_alpha(gate_logits, gate_normalizer)

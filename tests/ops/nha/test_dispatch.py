@@ -83,7 +83,7 @@ def test_model_prefill_and_decode_through_the_kernels_match_pytorch(monkeypatch)
     ids = torch.cat([prompt_ids, torch.randint(3, 128, (3, steps), generator=gen)], 1).cuda()
     mask = torch.cat([prompt_mask, torch.ones(3, steps, dtype=torch.long)], 1).cuda()
     calls = []
-    for name in ("nha_chunked_triton", "nha_recurrent_step_triton"):
+    for name in ("nha_chunked_triton", "nha_decode_step"):
         original = getattr(dispatch, name)
         monkeypatch.setattr(dispatch, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
 
@@ -98,7 +98,7 @@ def test_model_prefill_and_decode_through_the_kernels_match_pytorch(monkeypatch)
         return torch.cat(logits, 1)
 
     kernels = run("all")
-    assert {"nha_chunked_triton", "nha_recurrent_step_triton"} <= set(calls), "the kernels did not run"
+    assert {"nha_chunked_triton", "nha_decode_step"} <= set(calls), "the kernels did not run"
     calls.clear()
     pytorch = run("0")
     assert not calls

@@ -1,5 +1,5 @@
-"""`nha-retrofit bench` on a checkpoint: the original it measures against is the real original, and the cache sizes
-it reports are the bytes the static caches hold (checked against the plan's formula)."""
+"""`nha-retrofit bench` on a checkpoint: its context tokens, the cache sizes it reports (the bytes the caches hold,
+checked against the plan's formula), and one error line per bad input."""
 
 import json
 
@@ -9,8 +9,9 @@ from transformers import AutoTokenizer
 
 from cli_helpers import cli
 from nha_retrofit.conversion import convert
-from nha_retrofit.eval.compare import load_nha_checkpoint
-from nha_retrofit.eval.speed import benchmark_checkpoint, context_tokens, decode_room, original_sharing_weights
+from nha_retrofit.bench.engine import context_tokens
+from nha_retrofit.bench.options import decode_room
+from nha_retrofit.bench.run import benchmark_checkpoint
 from nha_retrofit.eval.texts import load_heldout_tokens
 from nha_retrofit.plan import PlanSpec, nha_state_bytes
 from tiny_models import TINY_LLAMA, tiny_llama
@@ -27,20 +28,6 @@ def checkpoint(tmp_path_factory):
                    log=lambda *_: None)
 
 
-def test_original_sharing_weights_is_the_original_model(family):
-    """The same logits as the original checkpoint loaded by transformers, on the NHA model's own tensors."""
-    _, original, _, out = family
-    nha = load_nha_checkpoint(out)
-    rebuilt = original_sharing_weights(nha)
-    assert type(rebuilt) is type(original)
-    shared = {p.data_ptr() for p in nha.parameters()}
-    assert all(p.data_ptr() in shared and not p.is_meta for p in rebuilt.parameters())
-    assert not any(b.is_meta for b in rebuilt.buffers())
-    ids = torch.randint(0, original.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        assert (rebuilt(ids).logits - original(ids).logits).abs().max() <= 1e-5
-
-
 def test_context_is_held_out_text_or_random_ids(family, checkpoint):
     """With a tokenizer: the held-out Python text, repeated when the context is longer; without: random ids."""
     _, original, _, out = family
@@ -54,22 +41,26 @@ def test_context_is_held_out_text_or_random_ids(family, checkpoint):
 
 @pytest.mark.parametrize("contexts", [(9, 111), (63,)])
 def test_bench_reports_the_bytes_each_cache_holds(checkpoint, contexts):
-    """Both static caches are sized for the context plus the decode steps: the original's per token and layer,
-    NHA's per token for its one full layer plus the fixed state of each NHA layer."""
+    """The static caches are sized for the context plus the decode steps: the original every window full per token
+    and layer, NHA per token for its one full layer plus the fixed state of each NHA layer; the original's dynamic
+    cache holds the context per token and layer."""
     report = benchmark_checkpoint(checkpoint, contexts, decode_steps=3, rounds=2)
     heads, layers = TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["num_hidden_layers"]
     head_dim = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
     full_layer_per_token = 2 * heads * head_dim * 4  # float32 keys and values
     rows = {(r["context"], r["model"]): r for r in report["latency"]}
-    assert sorted(rows) == sorted((t, m) for t in contexts for m in ("original", "nha"))
+    paths = ("nha", "original, eager", "original, every window full")
+    assert sorted(rows) == sorted((t, m) for t in contexts for m in paths)
     for t in contexts:
         positions = t + decode_room(3)
-        assert rows[t, "original"]["cache_bytes"] == layers * positions * full_layer_per_token
+        assert rows[t, "original, every window full"]["cache_bytes"] == layers * positions * full_layer_per_token
+        assert rows[t, "original, eager"]["cache_bytes"] == layers * t * full_layer_per_token
         nha_state = nha_state_bytes(heads, head_dim, SLOTS, WINDOW, 4)
         assert rows[t, "nha"]["cache_bytes"] == positions * full_layer_per_token + (layers - 1) * nha_state
-        for row in (rows[t, "original"], rows[t, "nha"]):
-            assert row["fits"] and row["prefill_ms"] > 0 and row["decode_ms_per_token"] > 0
-            assert row["peak_bytes"] is None
+        for row in rows[t, "nha"], rows[t, "original, eager"], rows[t, "original, every window full"]:
+            assert row["fits"] and row["decode_ms_per_token"] > 0 and row["peak_bytes"] is None
+            assert len(row["rounds"]["decode_ms_per_token"]) == 2
+        assert rows[t, "nha"]["prefill_ms"] > 0 and rows[t, "original, eager"]["prefill_ms"] > 0
     assert report["windows"] == [None, WINDOW, WINDOW, WINDOW] and report["machine"]["device"] == "cpu"
     assert report["throughput"] == [] and report["model"]["checkpoint"] == str(checkpoint)
 
@@ -78,14 +69,15 @@ def test_cli_bench_prints_a_table_and_writes_json(checkpoint, tmp_path):
     code, output = cli("bench", checkpoint, "--contexts", "16,40", "--decode-steps", "2", "--rounds", "1", "--json",
                        tmp_path / "out" / "bench.json")
     assert code == 0, output
-    assert "| 16 |" in output and "| 40 |" in output and "decode ms per token, original / NHA" in output
+    assert "| 16 | nha |" in output and "| 40 | original, eager |" in output and "decode ms per token" in output
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert len(report["latency"]) == 4 and [p.name for p in (tmp_path / "out").iterdir()] == ["bench.json"]
+    assert len(report["latency"]) == 6 and [p.name for p in (tmp_path / "out").iterdir()] == ["bench.json"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["--contexts", "0"], "context lengths must be >= 1"),
-    (["--contexts", "500"], "500 + 36 decode positions exceeds the model's max_position_embeddings (512)"),
+    (["--contexts", "500"], "500 + 40 decode positions exceeds the model's max_position_embeddings (512)"),
+    (["--contexts", "16", "--kv-cache-dtype", "int4"], "unknown KV cache dtype 'int4'; use auto, float8_e4m3"),
     (["--decode-steps", "0"], "decode steps and rounds must be >= 1"),
     (["--dtype", "int8"], "unknown dtype 'int8'"),
     (["--device", "tpu"], "unknown device 'tpu'"),
