@@ -144,6 +144,76 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         print(f"{name}: {json.dumps(results['rows'][name]['perplexity_ratio'])}", flush=True)
 
 
+def accuracies(suite: dict, variant: str, group: str = "tuning") -> dict:
+    """{task: [accuracy per length]} of one model in a row's `suite`: the retrieval suite's result (one group), or
+    the shipped passkey/niah tasks' plain lists."""
+    if "groups" in suite:
+        return {task: [stat["accuracy"] for stat in entry["summary"][variant]]
+                for task, entry in suite["groups"][group]["tasks"].items()}
+    return suite[variant]
+
+
+def row_summary(row: dict) -> dict:
+    """One row of the quality-against-cost table: retrieval as the finetuned model's mean accuracy over tasks and
+    lengths against the original's, the worst task and length ratio, held-out perplexity ratios, cache ratios."""
+    plan = row["plan"]
+    windows = [None if i in plan["full_layer_ids"] else plan["window"] for i in range(plan["layers"])]
+    groups = ["tuning", "heldout"] if "groups" in row["suite"] else ["tuning"]
+    retrieval = {}
+    for group in groups:
+        nha, original = accuracies(row["suite"], "nha", group), accuracies(row["suite"], "original", group)
+        mean = lambda table: sum(sum(v) for v in table.values()) / sum(len(v) for v in table.values())  # noqa: E731
+        retrieval[group] = mean(nha) / mean(original)
+    return {
+        "retrieval": retrieval,
+        "perplexity_ratio": row["perplexity_ratio"],
+        "own": cache_costs(windows, plan["slots"], plan["layers"], 3, 64),
+        "llama3_8b": cache_costs(windows, plan["slots"], **LLAMA3_8B),
+    }
+
+
+def report(path: Path, image: Path | None) -> str:
+    """The sweep's table as markdown (and its Pareto plot as a PNG when `image` is given)."""
+    results = json.loads(path.read_text())
+    lines = ["| setting | full layers | window | LM tokens | train s | retrieval vs original (tuning / held-out) | "
+             "python-docs | python-stdlib | Hamlet | cache at 8K (SmolLM2 / 8B shape) | cache at 32K, 8B shape |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    points = []
+    for name, row in results["rows"].items():
+        summary = row_summary(row)
+        ppl = summary["perplexity_ratio"]
+        retrieval = " / ".join(f"{value:.2f}" for value in summary["retrieval"].values())
+        lines.append(
+            f"| {name} | {row['plan']['full_layer_ids']} | {row['plan']['window']} | {row['lm_tokens'] / 1e6:.2f}M | "
+            f"{row['train_wall_time_s']:.0f} | {retrieval} | {ppl['python-docs']:.3f} | {ppl['python-stdlib']:.3f} | "
+            f"{ppl['shakespeare']:.3f} | {summary['own']['cache_ratio_8192']:.3f} / "
+            f"{summary['llama3_8b']['cache_ratio_8192']:.3f} | {summary['llama3_8b']['cache_ratio_32768']:.3f} |")
+        points.append((name, summary))
+    if image is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for name, summary in points:
+            x = summary["own"]["cache_ratio_8192"]
+            for axis, y in zip(axes, (summary["retrieval"]["tuning"], summary["perplexity_ratio"]["shakespeare"])):
+                axis.scatter(x, y)
+                axis.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        axes[0].set_ylabel("retrieval, finetuned / original (tuning tasks)")
+        axes[1].set_ylabel("Hamlet perplexity, finetuned / original")
+        axes[0].axhline(0.9, linestyle=":", color="grey")
+        axes[1].axhline(1.05, linestyle=":", color="grey")
+        for axis in axes:
+            axis.set_xlabel("cache at 8K tokens / original's (SmolLM2-135M)")
+            axis.axvline(0.25, linestyle=":", color="grey")
+        figure.suptitle(f"SmolLM2-135M quality against cache cost ({results['machine']})")
+        figure.tight_layout()
+        figure.savefig(image, dpi=110)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "smollm2_gpu.yaml"))
@@ -162,7 +232,12 @@ def main(argv=None):
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "quality_sweep.json"))
     parser.add_argument("--train-one", help=argparse.SUPPRESS)
     parser.add_argument("--skip-training", action="store_true", help="score the variants already trained")
+    parser.add_argument("--report", metavar="IMAGE", nargs="?", const="",
+                        help="print the table of --output (and write its Pareto plot to IMAGE) instead of running")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        print(report(Path(args.output), Path(args.report) if args.report else None))
+        return 0
     variants = dict(parse_variant(v) for v in args.variant)
     root = Path(args.root)
     if args.train_one:

@@ -28,7 +28,7 @@ class PlanSpec:
     precedence: `windows` (one per layer, None = full), `full_layer_ids`, or `full_layers` placed by `select`; the
     other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count.
     `select="retrieval"` keeps the layers that hold the original's retrieval heads (`conversion/layer_ranking.py`):
-    the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep)."""
+    the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy)."""
 
     full_layers: int = 5
     select: str = "retrieval"

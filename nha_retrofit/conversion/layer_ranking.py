@@ -8,7 +8,7 @@ random line start in its first half, and the record's first words again at the e
 attention, so the weights are returned), a layer's score is the largest, over its heads, of the attention mass the
 positions that predict the value put on the record's tokens, averaged over the prompts. Layers rank by score.
 On SmolLM2-135M the retrieval heads sit in layers 7, 14, 17, 18, 20, 21 and 23; the evenly spaced default of 4 of 30
-(3, 10, 18, 25) kept one of them (docs/benchmarks.md#quality-sweep).
+(3, 10, 18, 25) kept one of them (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy).
 """
 
 from __future__ import annotations
