@@ -140,10 +140,10 @@ def plan(
     config = read_source_config_dict(resolve_model(model, revision=revision, token=token, weights=False))
     ranking = None
     if spec.needs_ranking:  # the retrieval probe reads the weights (downloaded for a Hub id)
-        from .conversion.layer_ranking import layer_retrieval_scores, rank_layers
+        from .conversion.layer_ranking import plan_ranking
 
-        ranking = rank_layers(layer_retrieval_scores(resolve_model(model, revision=revision, token=token),
-                                                     log=lambda line: typer.echo(line, err=True)))
+        ranking, _ = plan_ranking(resolve_model(model, revision=revision, token=token), spec,
+                                  config["num_hidden_layers"], log=lambda line: typer.echo(line, err=True))
     typer.echo(plan_table(config, spec, ranking))
 
 

@@ -20,7 +20,7 @@ from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..modeling.remote_code import write_remote_code
 from ..plan import LayerPlan, PlanSpec, build_plan
 from .download import TOKENIZER_FILES
-from .layer_ranking import layer_retrieval_scores, rank_layers
+from .layer_ranking import plan_ranking
 from .resolve import resolve_model
 from .shards import TensorReader, find_checkpoint, write_sharded
 from .source import read_source_config_dict
@@ -101,8 +101,8 @@ def convert(
     num_layers = source_config["num_hidden_layers"]
     nha_config_for(source_config, build_plan(num_layers, spec, ranking=list(range(num_layers))))
     source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
-    scores = layer_retrieval_scores(source, log=log) if spec.needs_ranking else None
-    plan = build_plan(num_layers, spec, rank_layers(scores) if scores else None)
+    ranking, scores = plan_ranking(source, spec, num_layers, log=log)
+    plan = build_plan(num_layers, spec, ranking)
     model_class, config = nha_config_for(source_config, plan)
     checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)
     log(f"plan: {plan.describe()}")

@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 
 from ..errors import NHARetrofitError
+from ..plan import evenly_spaced
 
 PROBE_MODULES = ("argparse.py", "email/message.py", "email/_header_value_parser.py", "logging/__init__.py")
 PROBE_SAMPLES = 4
 PROBE_LENGTH = 1024
+
+
+class ProbeError(NHARetrofitError):
+    """The model's tokenizer cannot build the probe's prompts (too few tokens, or too few positions)."""
 
 
 def probe_text() -> str:
@@ -49,7 +54,7 @@ def probe_prompts(tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_L
         answer = tokenizer(f" {value}", add_special_tokens=False)["input_ids"]
         room = length - len(record) - len(question) - len(answer)
         if room < 16 or room >= len(ids):
-            raise NHARetrofitError(f"the retrieval probe cannot make prompts of {length} tokens")
+            raise ProbeError(f"the retrieval probe cannot make prompts of {length} tokens with this tokenizer")
         start = rng.randrange(len(ids) - room)
         haystack = ids[start : start + room]
         place = rng.randrange(room // 2)
@@ -79,9 +84,9 @@ def rank_layers(scores: list[float]) -> list[int]:
     return sorted(range(len(scores)), key=lambda layer: (-scores[layer], layer))
 
 
-def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> list[float]:
+def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> list[float] | None:
     """The probe's per-layer scores of the original model in `folder` (loaded once, in its dtype, on CUDA when
-    present)."""
+    present); None when the folder has no tokenizer that can build the probe's prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -90,7 +95,23 @@ def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> lis
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError):
-        raise NHARetrofitError(f"--select retrieval probes the model through its tokenizer, which {folder} lacks; "
-                               "pass --select even or --full-layer-ids") from None
+        return None
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(target).eval()
-    return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings))
+    try:
+        return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings))
+    except ProbeError:
+        return None
+
+
+def plan_ranking(folder: Path, spec, num_layers: int, device: str = "auto", log=print):
+    """(ranking, scores) that `build_plan` takes for `spec` on the model in `folder`: (None, None) when its full
+    layers do not depend on the weights. A model without a tokenizer cannot be probed: its full layers are then
+    placed evenly, and a log line says so."""
+    if not spec.needs_ranking:
+        return None, None
+    scores = layer_retrieval_scores(folder, device, log=log)
+    if scores is None:
+        even = evenly_spaced(num_layers, min(spec.full_layers, num_layers))
+        log("no tokenizer that can build the retrieval probe: the full layers are placed evenly (--select even)")
+        return even + [layer for layer in range(num_layers) if layer not in even], None
+    return rank_layers(scores), scores

@@ -111,8 +111,9 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     chosen = sorted(sorted(range(num_layers), key=scores.__getitem__, reverse=True)[:full_layers])
     even = select_full_layers(num_layers, full_layers, "even")
     retrieval_scores = layer_retrieval_scores(source, device, log=lambda line: None)
-    retrieval = select_full_layers(num_layers, full_layers, "retrieval", rank_layers(retrieval_scores))
-    plans = {"searched": chosen, "retrieval": retrieval, "even": even}
+    plans = {"searched": chosen, "even": even}
+    if retrieval_scores is not None:  # a model with a tokenizer to probe with
+        plans["retrieval"] = select_full_layers(num_layers, full_layers, "retrieval", rank_layers(retrieval_scores))
 
     whole = Scorer(nha)
     for ids in tqdm(check_chunks, desc="plans", unit="chunk", disable=not progress):
@@ -135,7 +136,8 @@ def format_search(report: dict) -> str:
     lines = [f"{report['tokens']} tokens of {', '.join(report['texts'])}; window {report['window']}, "
              f"{report['slots']} slots, gates as converted (before finetuning)", "",
              "| layer | KL per token when NHA alone | retrieval-head score | kept full |", "|---|---|---|---|"]
-    lines += [f"| {i} | {kl:.4g} | {report['layer_retrieval'][i]:.3f} | {'yes' if i in chosen else ''} |"
+    retrieval = report["layer_retrieval"] or [float("nan")] * len(report["layer_kl"])
+    lines += [f"| {i} | {kl:.4g} | {retrieval[i]:.3f} | {'yes' if i in chosen else ''} |"
               for i, kl in enumerate(report["layer_kl"])]
     lines += ["", f"Plans scored whole on {report['check_tokens']} tokens of {', '.join(report['check_texts'])}:", "",
               "| plan | full layers | KL per token | perplexity |", "|---|---|---|---|",

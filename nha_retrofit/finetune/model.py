@@ -52,10 +52,10 @@ def resolve_source(spec: ModelSection) -> ModelSource:
     plan_spec = spec.convert or PlanSpec()
     ranking = None
     if plan_spec.needs_ranking:  # the retrieval probe reads the weights (downloaded here for a Hub id)
-        from ..conversion.layer_ranking import layer_retrieval_scores, rank_layers
+        from ..conversion.layer_ranking import plan_ranking
 
         folder = resolve_model(spec.path, revision=spec.revision)
-        ranking = rank_layers(layer_retrieval_scores(folder))
+        ranking, _ = plan_ranking(folder, plan_spec, config["num_hidden_layers"])
     try:
         plan = build_plan(config["num_hidden_layers"], plan_spec, ranking)
     except PlanSpecError as error:

@@ -69,7 +69,7 @@ def save_pickle_checkpoint(folder):
 
 def test_pickle_weights_are_refused_unless_allowed(tmp_path):
     original = save_pickle_checkpoint(tmp_path / "src")
-    code, output = cli("convert", tmp_path / "src", "-o", tmp_path / "out")
+    code, output = cli("convert", tmp_path / "src", "-o", tmp_path / "out", "--full-layers", "1")
     assert code == 1 and "only pickle weights" in output and "--allow-pickle" in output
     assert not (tmp_path / "out").exists()
     code, output = cli("convert", tmp_path / "src", "-o", tmp_path / "out", "--allow-pickle", "--full-layers", "1")
