@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from .errors import NHARetrofitError
-from .plan import PlanSpec, parse_windows
+from .plan import FULL_LAYER_SHARE, PlanSpec, parse_windows
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 
@@ -63,12 +63,15 @@ TokenOption = Annotated[str | None, typer.Option(help="Hub token (default: HF_TO
 
 def plan_option(kind: type, text: str, field: str):
     """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help)."""
-    return Annotated[kind | None, typer.Option(help=text, show_default=str(getattr(PlanSpec, field)))]
+    default = getattr(PlanSpec, field)
+    shown = str(default) if default is not None else f"one layer in {FULL_LAYER_SHARE}"
+    return Annotated[kind | None, typer.Option(help=text, show_default=shown)]
 
 
 FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers")
 FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exactly these full layers, e.g. 2,9,17,25.")]
-SelectOption = plan_option(str, "Where --full-layers go: even, first or last.", "select")
+SelectOption = plan_option(str, "Where --full-layers go: retrieval (the layers whose heads retrieve most, from a "
+                           "probe of the original), even, first or last.", "select")
 WindowsOption = Annotated[str | None, typer.Option(help="One window per layer, e.g. 32,32,full,... (overrides).")]
 WindowOption = plan_option(int, "Sliding window of the NHA layers.", "window")
 SlotsOption = plan_option(int, "Slots of the NHA memory per KV head.", "slots")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from .errors import NHARetrofitError
 
 SELECTIONS = ("retrieval", "even", "first", "last")
+FULL_LAYER_SHARE = 6  # by default one layer in six keeps full attention (5 of SmolLM2's 30, 5 of Llama-3-8B's 32)
 
 
 class PlanSpecError(NHARetrofitError, ValueError):
@@ -26,11 +27,12 @@ class PlanSpecError(NHARetrofitError, ValueError):
 class PlanSpec:
     """A conversion plan before the model's layer count is known. The full layers come from, in this order of
     precedence: `windows` (one per layer, None = full), `full_layer_ids`, or `full_layers` placed by `select`; the
-    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count.
+    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count;
+    `full_layers=None` is one layer in `FULL_LAYER_SHARE`, rounded, at least one (`full_layer_count`).
     `select="retrieval"` keeps the layers that hold the original's retrieval heads (`conversion/layer_ranking.py`):
     the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy)."""
 
-    full_layers: int = 5
+    full_layers: int | None = None
     select: str = "retrieval"
     full_layer_ids: tuple[int, ...] | None = None
     windows: tuple[int | None, ...] | None = None
@@ -54,7 +56,7 @@ class PlanSpec:
             repeated = sorted({i for i in ids if ids.count(i) > 1})
             if repeated:
                 raise PlanSpecError("full_layer_ids", f"{repeated[0]}: listed more than once")
-        if self.full_layers < 0:
+        if self.full_layers is not None and self.full_layers < 0:
             raise PlanSpecError("full_layers", f"{self.full_layers}: must be >= 0")
         if self.select not in SELECTIONS:
             raise PlanSpecError("select", f"{self.select}: choose one of {', '.join(SELECTIONS)}")
@@ -69,7 +71,13 @@ class PlanSpec:
     def needs_ranking(self) -> bool:
         """Whether the full layers depend on the model's weights (the retrieval probe's layer ranking)."""
         return self.select == "retrieval" and self.windows is None and self.full_layer_ids is None \
-            and self.full_layers > 0
+            and self.full_layers != 0
+
+    def full_layer_count(self, num_layers: int) -> int:
+        """How many layers keep full attention on a model of `num_layers` layers."""
+        if self.full_layers is not None:
+            return self.full_layers
+        return max(1, round(num_layers / FULL_LAYER_SHARE))
 
 
 @dataclass(frozen=True)
@@ -153,10 +161,10 @@ def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None) -> La
                                     f"{beyond[0]}: out of range, the model has layers 0..{num_layers - 1}")
             full = set(spec.full_layer_ids)
         else:
-            if spec.full_layers > num_layers:
-                raise PlanSpecError("full_layers",
-                                    f"{spec.full_layers}: must be between 0 and {num_layers} (the layer count)")
-            full = set(select_full_layers(num_layers, spec.full_layers, spec.select, ranking))
+            count = spec.full_layer_count(num_layers)
+            if count > num_layers:
+                raise PlanSpecError("full_layers", f"{count}: must be between 0 and {num_layers} (the layer count)")
+            full = set(select_full_layers(num_layers, count, spec.select, ranking))
         windows = tuple(None if i in full else spec.window for i in range(num_layers))
     return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init))
 

@@ -101,10 +101,10 @@ def convert(
     num_layers = source_config["num_hidden_layers"]
     nha_config_for(source_config, build_plan(num_layers, spec, ranking=list(range(num_layers))))
     source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
+    checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)  # damaged shards are refused before the probe
     ranking, scores = plan_ranking(source, spec, num_layers, log=log)
     plan = build_plan(num_layers, spec, ranking)
     model_class, config = nha_config_for(source_config, plan)
-    checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)
     log(f"plan: {plan.describe()}")
     with atomic_folder(output, overwrite) as tmp:
         reader = TensorReader(checkpoint)

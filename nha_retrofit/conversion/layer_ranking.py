@@ -111,7 +111,7 @@ def plan_ranking(folder: Path, spec, num_layers: int, device: str = "auto", log=
         return None, None
     scores = layer_retrieval_scores(folder, device, log=log)
     if scores is None:
-        even = evenly_spaced(num_layers, min(spec.full_layers, num_layers))
+        even = evenly_spaced(num_layers, min(spec.full_layer_count(num_layers), num_layers))
         log("no tokenizer that can build the retrieval probe: the full layers are placed evenly (--select even)")
         return even + [layer for layer in range(num_layers) if layer not in even], None
     return rank_layers(scores), scores

@@ -80,7 +80,7 @@ class Scorer:
 def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("python-stdlib",),
                        check_texts=("python-docs",), max_tokens: int = 2048, chunk_len: int = 512, device: str = "auto",
                        progress: bool = False) -> dict:
-    """Rank layers by the KL divergence their conversion alone causes; keep the `spec.full_layers` highest full
+    """Rank layers by the KL divergence their conversion alone causes; keep the `spec.full_layer_count` highest full
     (the other fields of `spec` set the NHA layers). Returns per-layer scores, the chosen ids, and the chosen and
     evenly spaced plans scored whole."""
     if spec.full_layer_ids is not None or spec.windows is not None:
@@ -88,7 +88,7 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     source = resolve_model(model)
     num_layers = read_source_config_dict(source)["num_hidden_layers"]
     build_plan(num_layers, spec, ranking=list(range(num_layers)))  # the plan's errors before any weight is read
-    full_layers, window = spec.full_layers, spec.window
+    full_layers, window = spec.full_layer_count(num_layers), spec.window
     settings = dict(window=window, slots=spec.slots, gate_normalizer=spec.gate_normalizer,
                     slot_bias_init=spec.slot_bias_init)
     unknown = [t for t in (*texts, *check_texts) if t not in HELDOUT_TEXTS]
