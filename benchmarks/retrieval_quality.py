@@ -1,6 +1,6 @@
 """Long-context quality benchmark (not a test): four models side by side, on the evaluations of `nha-retrofit eval`:
-passkey and needle-in-a-haystack accuracy per length and needle depth, loss by position, held-out perplexity, and
-lm-evaluation-harness tasks whose data is at hand. Writes evaluation.json, evaluation.md and the PNGs to --output.
+passkey and needle-in-a-haystack accuracy per length and needle depth, the retrieval suite (both groups, each model
+against the original), loss by position, held-out perplexity, and lm-evaluation-harness tasks whose data is at hand. Writes evaluation.json, evaluation.md and the PNGs to --output.
 
 The four models come from two checkpoints, each loaded once:
 - `original`: the converted checkpoint's weights (the pretrained model's) under full attention;
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-QUICK = dict(lengths=[512], depths=[0, 100], samples=1, position_length=512, sequences=1, max_tokens=512,
-             chunk_len=256, limit=4)
-SECTIONS = ("heldout", "harness", "retrieval", "positions")
+QUICK = dict(lengths=[512], depths=[0, 100], samples=1, suite_samples=1, group="heldout", position_length=512,
+             sequences=1, max_tokens=512, chunk_len=256, limit=4)
+SECTIONS = ("heldout", "harness", "retrieval", "suite", "positions")
 TARGET_LENGTH = 8192  # accuracy at least 90% of the original's up to here
 TARGET_SHARE = 0.9
 
@@ -45,9 +45,31 @@ def renamed(report: dict, names: dict) -> dict:
     if report.get("retrieval"):
         out["retrieval"] = {task: {**result, "accuracy": rename(result["accuracy"])}
                             for task, result in report["retrieval"].items()}
+    if report.get("suite"):
+        out["suite"] = {**report["suite"], "variants": [names[v] for v in report["suite"]["variants"]],
+                        "reference": None, "groups": {
+                            group: {"haystacks": entry["haystacks"], "overall": rename(entry["overall"]),
+                                    "tasks": {task: {"cells": rename(scores["cells"]),
+                                                     "summary": rename(scores["summary"])}
+                                              for task, scores in entry["tasks"].items()}}
+                            for group, entry in report["suite"]["groups"].items()}}
     if report.get("positions"):
         out["positions"] = {**report["positions"], "loss": rename(report["positions"]["loss"])}
     return out
+
+
+def merged_suite(first: dict, second: dict) -> dict:
+    """Two renamed suite results of the same samples as one, each model against the original."""
+    from nha_retrofit.eval.retrieval_suite import against_reference
+
+    groups = {
+        group: {"haystacks": entry["haystacks"], "overall": {**entry["overall"], **second["groups"][group]["overall"]},
+                "tasks": {task: {key: {**scores[key], **second["groups"][group]["tasks"][task][key]}
+                                 for key in ("cells", "summary")} for task, scores in entry["tasks"].items()}}
+        for group, entry in first["groups"].items()
+    }
+    return against_reference({**first, "variants": first["variants"] + second["variants"], "groups": groups},
+                             "original")
 
 
 def merged(first: dict, second: dict) -> dict:
@@ -56,6 +78,8 @@ def merged(first: dict, second: dict) -> dict:
     for section in SECTIONS:
         if section == "positions" and first.get(section):
             out[section] = {**first[section], "loss": {**first[section]["loss"], **second[section]["loss"]}}
+        elif section == "suite" and first.get(section):
+            out[section] = merged_suite(first[section], second[section])
         elif first.get(section):
             out[section] = {}
             for key, entry in first[section].items():
@@ -104,6 +128,7 @@ def main(argv=None):
     from nha_retrofit.eval.positions import PositionSpec
     from nha_retrofit.eval.report import format_report, write_outputs
     from nha_retrofit.eval.retrieval import DEFAULT_DEPTHS, RetrievalSpec, check_lengths, default_lengths
+    from nha_retrofit.eval.retrieval_suite import SUITE_SAMPLES, SuiteSpec
     from nha_retrofit.eval.variants import read_checkpoint_facts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -118,7 +143,10 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--depths", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_DEPTHS))
-    parser.add_argument("--samples", type=int, default=10, help="per length and depth")
+    parser.add_argument("--samples", type=int, default=10, help="passkey and niah: per length and depth")
+    parser.add_argument("--suite-samples", type=int, default=SUITE_SAMPLES, help="the suite: per length and depth")
+    parser.add_argument("--group", default="all", help="the suite's group: tuning, heldout or all")
+    parser.add_argument("--haystack", help="the suite's haystack: a text file (default: each group's own texts)")
     parser.add_argument("--allow-beyond-positions", action="store_true")
     parser.add_argument("--position-length", type=int, help="default: the longest retrieval length")
     parser.add_argument("--sequences", type=int, default=8)
@@ -137,7 +165,7 @@ def main(argv=None):
     lengths = check_lengths(args.lengths or default_lengths(context, positions, args.allow_beyond_positions),
                             positions, args.allow_beyond_positions)
     texts = [t for t in args.texts.split(",") if t]
-    tasks = ["heldout", "passkey", "niah", "positions", *[t for t in args.harness_tasks.split(",") if t]]
+    tasks = ["heldout", "passkey", "niah", "suite", "positions", *[t for t in args.harness_tasks.split(",") if t]]
     common = dict(
         device=args.device, dtype=args.dtype, batch_size=args.batch_size, limit=args.limit,
         include_path=args.include_path, allow_beyond_positions=args.allow_beyond_positions, plots=True,
@@ -146,6 +174,7 @@ def main(argv=None):
 
     specs = dict(heldout=HeldoutSpec(texts, args.max_tokens, args.chunk_len),
                  retrieval=RetrievalSpec(lengths, args.depths, args.samples),
+                 suite=SuiteSpec(lengths, args.depths, args.suite_samples, args.group, args.haystack),
                  positions=PositionSpec(args.position_length or max(lengths), args.sequences, texts))
     before = evaluate_checkpoint(args.converted, tasks, variants=["original", "nha"], **specs, **common)
     after = evaluate_checkpoint(args.finetuned, tasks, variants=["nha", "window_only"], **specs, **common)

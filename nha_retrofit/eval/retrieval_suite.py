@@ -21,7 +21,6 @@ import contextlib
 import random
 import string
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import NHARetrofitError
 from .intervals import wilson_interval

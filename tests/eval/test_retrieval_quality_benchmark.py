@@ -1,5 +1,6 @@
 """benchmarks/retrieval_quality.py --quick on two tiny checkpoints (one with a finetuning record): the four models'
-tables, PNGs and targets, each model's numbers those of its own checkpoint."""
+tables, PNGs and targets, the retrieval suite's results of both checkpoints merged, each model's numbers those of
+its own checkpoint."""
 
 import importlib.util
 import json
@@ -33,9 +34,17 @@ def test_quick_run_writes_the_four_models_side_by_side(benchmark, tiny_checkpoin
     assert report["heldout"]["python-stdlib"]["converted"] != report["heldout"]["python-stdlib"]["finetuned"]
     assert list(report["harness"]["tiny_choice"]["metrics"]["acc"]) == MODELS
     assert len(report["targets"]) == 3 and all("above_window_only" in row for row in report["targets"])
+    suite = report["suite"]
+    assert suite["variants"] == MODELS and suite["reference"] == "original" and list(suite["groups"]) == ["heldout"]
+    for scores in suite["groups"]["heldout"]["tasks"].values():
+        assert list(scores["summary"]) == MODELS and list(scores["ratio"]) == MODELS[1:]
+        original, finetuned = (scores["summary"][model][0]["accuracy"] for model in ("original", "finetuned"))
+        assert scores["ratio"]["finetuned"] == [finetuned / original if original else None]
+        assert scores["meets_bar"]["finetuned"] == [finetuned >= scores["bar"][0]]
     names = {p.name for p in out.iterdir()}
     assert {"evaluation.json", "evaluation.md", "positions.png", "passkey_finetuned.png",
-            "niah_multikey_original.png"} <= names and len(names) == 3 + 3 * len(MODELS)
+            "niah_multikey_original.png", "suite_heldout_finetuned.png"} <= names
+    assert len(names) == 3 + 3 * len(MODELS) + len(MODELS)
     markdown = (out / "evaluation.md").read_text()
     assert "| tokens | original | converted | finetuned | window only |" in markdown and "### Targets" in markdown
 
