@@ -121,7 +121,7 @@ def evenly_spaced(num_layers: int, count: int) -> list[int]:
 def select_full_layers(num_layers: int, count: int, select: str = "even", ranking=None) -> list[int]:
     """The `count` full layers `select` places; `retrieval` takes the first `count` of `ranking` (layer ids, the
     strongest retrieval layer first)."""
-    if select == "retrieval":
+    if select == "retrieval" and count:
         if ranking is None:
             raise NHARetrofitError("--select retrieval ranks the layers by probing the model's weights, which this "
                                    "step does not read; pass --full-layer-ids or --select even")

@@ -46,7 +46,7 @@ def test_named_configs_have_the_published_sizes(name, parameters):
     """Built without memory (meta device): the original's parameter count is the published model's, and NHA adds
     a gate projection and slot offsets per layer."""
     config = NAMED_CONFIGS[name]
-    plan = build_plan(config["num_hidden_layers"])
+    plan = build_plan(config["num_hidden_layers"], PlanSpec(select="even"))
     model = random_nha_model(config, plan, "meta", torch.bfloat16)
     assert model.dtype == torch.bfloat16 and model.config.nha_windows == list(plan.windows)
     assert sum(p.numel() for p in original_sharing_weights(model).parameters()) == parameters

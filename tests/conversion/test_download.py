@@ -73,7 +73,7 @@ def assert_same_conversion(out: Path, source: Path, tmp_path: Path, spec: PlanSp
 
 
 def test_convert_downloads_only_what_conversion_reads(hub, sources, tmp_path):
-    code, output = cli("convert", "org/tiny", "-o", tmp_path / "out", "--full-layers", "1")
+    code, output = cli("convert", "--select", "even", "org/tiny", "-o", tmp_path / "out", "--full-layers", "1")
     assert code == 0, output
     assert fetched(hub) == sorted(needed_files(sources["tiny"]))  # each once; no README, original/ or pickle
     commit = hub.repos["org/tiny"].refs["main"]
@@ -85,26 +85,27 @@ def test_convert_downloads_only_what_conversion_reads(hub, sources, tmp_path):
 
     hub.requests.clear()  # the cached snapshot is complete: the Hub is not asked again
     assert cli("plan", "org/tiny")[0] == 0
-    assert cli("convert", "org/tiny", "-o", tmp_path / "again", "--full-layers", "1")[0] == 0
+    assert cli("convert", "--select", "even", "org/tiny", "-o", tmp_path / "again", "--full-layers", "1")[0] == 0
     assert hub.requests == []
 
 
 def test_plan_downloads_no_weights(hub):
     """`plan` (and a finetuning dry run, and the check before a conversion's download) fetch the config, tokenizer
-    and generation files alone."""
-    code, output = cli("plan", "org/tiny", "--full-layers", "1")
+    and generation files alone, when the full layers do not depend on the weights (`--select retrieval` probes
+    them)."""
+    code, output = cli("plan", "org/tiny", "--full-layers", "1", "--select", "even")
     assert code == 0 and "nha" in output.lower()
     assert "config.json" in fetched(hub) and not [name for name in fetched(hub) if "safetensors" in name]
 
 
 def test_an_unsupported_family_is_refused_before_its_weights_are_fetched(hub, tmp_path):
-    code, output = cli("convert", "org/gpt2", "-o", tmp_path / "out", "--full-layers", "1")
+    code, output = cli("convert", "--select", "even", "org/gpt2", "-o", tmp_path / "out", "--full-layers", "1")
     assert code == 1 and output.splitlines()[-1].startswith("error: unsupported architecture gpt2"), output
     assert not [name for name in fetched(hub) if "safetensors" in name] and not (tmp_path / "out").exists()
 
 
 def test_revision_and_token(hub, sources, tmp_path):
-    code, output = cli("convert", "org/gated", "--revision", "v2", "--token", READER, "-o", tmp_path / "out",
+    code, output = cli("convert", "--select", "even", "org/gated", "--revision", "v2", "--token", READER, "-o", tmp_path / "out",
                        "--full-layers", "1")
     assert code == 0, output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
@@ -128,7 +129,7 @@ def test_revision_and_token(hub, sources, tmp_path):
 def test_failures_are_one_line(hub, monkeypatch, tmp_path, args, token, message):
     if token is not None:
         monkeypatch.setenv("HF_TOKEN", token)
-    code, output = cli("convert", *args, "-o", tmp_path / "out")
+    code, output = cli("convert", "--select", "even", *args, "-o", tmp_path / "out")
     assert code == 1 and output == f"error: {output.removeprefix('error: ')}" and len(output.splitlines()) == 1
     assert message.format(url=hub.url) in output
     assert not (tmp_path / "out").exists()
@@ -147,7 +148,7 @@ def test_offline_is_one_line_without_network(hub, monkeypatch, tmp_path):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    code, output = cli("convert", "org/tiny", "-o", tmp_path / "out")
+    code, output = cli("convert", "--select", "even", "org/tiny", "-o", tmp_path / "out")
     assert code == 1 and len(output.splitlines()) == 1
     assert "model 'org/tiny' is not in the local Hugging Face cache, or only in part (looked in " in output
     assert f"{tmp_path / 'hf' / 'hub'}" in output and "HF_HUB_OFFLINE is set: unset it to download the model" in output
@@ -161,7 +162,7 @@ def test_unreachable_hub_is_one_line(hub, monkeypatch, tmp_path):
         probe.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
     monkeypatch.setattr(constants, "ENDPOINT", closed)
-    code, output = cli("convert", "org/tiny", "-o", tmp_path / "out")
+    code, output = cli("convert", "--select", "even", "org/tiny", "-o", tmp_path / "out")
     assert code == 1 and len(output.splitlines()) == 1 and "Traceback" not in output
     assert f"error: cannot list 'org/tiny' on the Hugging Face Hub at {closed}" in output
     assert not (tmp_path / "out").exists()
@@ -177,7 +178,7 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub, sources, tmp_pa
     name, data = big_shard(sources["big"])
     dropped_at = 10 * 2**20 + 2**19
     hub.interrupt(name, after_bytes=dropped_at)
-    code, output = cli("convert", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
+    code, output = cli("convert", "--select", "even", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
     assert code == 0, output
     first, second = [r.headers.get("range") for r in hub.file_requests() if r.path.endswith(name)]
     resumed_at = int(re.fullmatch(r"bytes=(\d+)-", second).group(1))
@@ -190,7 +191,7 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub, sources, tmp_pa
 def test_a_failed_download_is_completed_by_the_next_run(hub, sources, tmp_path):
     name, data = big_shard(sources["big"])
     hub.interrupt(name, after_bytes=10 * 2**20 + 2**19, then_status=503)
-    code, output = cli("convert", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
+    code, output = cli("convert", "--select", "even", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert code == 1 and "Traceback" not in output and output.splitlines()[-1] == errors[0] and len(errors) == 1
     assert "error: downloading 'org/big' from" in errors[0] and "run the same command again to resume" in errors[0]
@@ -198,7 +199,7 @@ def test_a_failed_download_is_completed_by_the_next_run(hub, sources, tmp_path):
 
     first_run = set(fetched(hub))
     hub.requests.clear()
-    code, output = cli("convert", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
+    code, output = cli("convert", "--select", "even", "org/big", "-o", tmp_path / "out", "--full-layers", "1")
     assert code == 0, output
     assert fetched(hub) == [name] and first_run == needed_files(sources["big"])  # finished files are not fetched again
     assert_same_conversion(tmp_path / "out", sources["big"], tmp_path, PlanSpec(select="even", full_layers=1))
@@ -209,7 +210,7 @@ def test_the_command_in_a_fresh_process_follows_hf_endpoint_hf_home_and_hf_token
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "fresh"), "HF_TOKEN": READER}
     for name in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "nha_retrofit.cli", "convert", "org/gated", "--revision", "v2",
+    command = [sys.executable, "-m", "nha_retrofit.cli", "convert", "--select", "even", "org/gated", "--revision", "v2",
                "-o", str(tmp_path / "out"), "--full-layers", "1"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

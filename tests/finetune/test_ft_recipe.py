@@ -126,7 +126,8 @@ def test_demo_recipe_dry_runs_with_its_real_model(tmp_path, smollm2_nha):
     """The demo recipe as shipped, on the embedded SmolLM2 (data limited to two stdlib files to stay fast)."""
     plan = finetune(
         RECIPES / "smollm2_demo.yaml",
-        ['data.files=["{stdlib}/this.py", "{stdlib}/bisect.py", "{stdlib}/shlex.py"]', f"train.output_dir={tmp_path / 'run'}"],
+        ['data.files=["{stdlib}/this.py", "{stdlib}/bisect.py", "{stdlib}/shlex.py"]', "data.seq_len=256",
+         f"train.output_dir={tmp_path / 'run'}"],
         dry_run=True, log=lambda *_: None,
     )
     assert plan["full_layers"] == [14, 17, 18, 20, 21] and plan["windows"] == [256]  # the retrieval probe's pick
