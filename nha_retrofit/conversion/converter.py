@@ -7,6 +7,7 @@ complete. `build_nha_model` is the in-memory equivalent (finetuning from a base 
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import transformers
 from transformers import AutoConfig
 
 from ..atomic import atomic_folder, check_output_folder
+from ..checksums import write_checksums
 from ..errors import NHARetrofitError
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..modeling.remote_code import write_remote_code
@@ -68,6 +70,26 @@ def new_layer_tensors(config, plan: LayerPlan, key_weight, layer: int, gate_init
     return {prefix + "g_proj.weight": gate, prefix + "slot_bias": bias}
 
 
+def check_tensor_names(checkpoint, model_class, config) -> None:
+    """Every tensor of the checkpoint is one the config's model has, and every one it needs is there: a config
+    that names fewer layers than the shards hold (or more) is refused instead of converting part of them."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        expected = set(model_class(config).state_dict())
+    added = {name for name in expected if name.endswith((".g_proj.weight", ".slot_bias"))}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    present = set(checkpoint.weight_map)
+    missing = sorted(expected - added - optional - present)
+    ignored = [re.compile(p) for p in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []]
+    extra = sorted(name for name in present - expected if not any(p.search(name) for p in ignored))
+    if missing or extra:
+        layers = f"config.json gives {config.num_hidden_layers} layers; "
+        detail = f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which that model does not have"
+        raise NHARetrofitError(f"the checkpoint in {checkpoint.folder} does not match its config: {layers}{detail} "
+                               f"({len(missing)} missing, {len(extra)} unexpected)")
+
+
 def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
     copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     for name in copied:
@@ -99,20 +121,21 @@ def convert(
     source = resolve_model(model, revision=revision, token=token, weights=False)
     source_config = read_source_config_dict(source)
     num_layers = source_config["num_hidden_layers"]
-    nha_config_for(source_config, build_plan(num_layers, spec, ranking=list(range(num_layers))))
+    model_class, config = nha_config_for(source_config, build_plan(num_layers, spec, ranking=list(range(num_layers))))
     source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
     checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)  # damaged shards are refused before the probe
+    check_tensor_names(checkpoint, model_class, config)
     ranking, scores = plan_ranking(source, spec, num_layers, log=log)
     plan = build_plan(num_layers, spec, ranking)
     model_class, config = nha_config_for(source_config, plan)
     log(f"plan: {plan.describe()}")
-    with atomic_folder(output, overwrite) as tmp:
+    with atomic_folder(output, overwrite, log=log) as tmp:
         reader = TensorReader(checkpoint)
         new_tensors = {}
         for layer in range(len(plan.windows)):
             key_weight = reader.get(f"model.layers.{layer}.self_attn.k_proj.weight")
             new_tensors.update(new_layer_tensors(config, plan, key_weight, layer, gate_init))
-        write_sharded(checkpoint, new_tensors, tmp)
+        digests = write_sharded(checkpoint, new_tensors, tmp)
         config.dtype = _checkpoint_dtype(source_config, new_tensors)
         config.save_pretrained(tmp)
         write_remote_code(tmp, model_class)
@@ -121,6 +144,7 @@ def convert(
         if scores:
             record["layer_retrieval_scores"] = scores
         (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        write_checksums(tmp, digests)
     log(f"wrote {output}")
     return output
 
@@ -160,3 +184,4 @@ def save_nha_checkpoint(model, folder: Path, tokenizer_source: Path | None = Non
             model.generation_config.save_pretrained(folder)
     if record is not None:
         (folder / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    write_checksums(folder)

@@ -14,10 +14,10 @@ import importlib.util
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nha_retrofit.atomic import remove_stale, temporary_prefix
 from nha_retrofit.errors import NHARetrofitError
 
 
@@ -42,9 +42,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         ),
     ),
 }
-
-_STALE_TMP_S = 24 * 3600
-
 
 def cache_root() -> Path:
     """nha-retrofit's own cache: ``$NHA_RETROFIT_CACHE`` or ``~/.cache/nha-retrofit``."""
@@ -127,6 +124,8 @@ def _from_hub(repo_id: str, revision: str | None, token: str | None, allow_pickl
 
 def _embedded(name: str, dest: Path) -> Path:
     """Convert the embedded GGUF into a plain checkpoint at ``dest`` once; later calls reuse it."""
+    if dest.parent.is_dir():
+        remove_stale(dest)
     if dest.exists():
         if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
             return dest
@@ -145,10 +144,9 @@ def _embedded(name: str, dest: Path) -> Path:
         )
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(dest), dir=dest.parent))
     except OSError as e:
         raise NHARetrofitError(f"cannot write the model cache {dest.parent} ({e}); set NHA_RETROFIT_CACHE") from None
-    _remove_stale_tmp(dest)
     try:
         _convert_gguf(package_dir, spec, tmp)
         try:
@@ -159,16 +157,6 @@ def _embedded(name: str, dest: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-def _remove_stale_tmp(dest: Path) -> None:
-    """Temporary folders older than a day belong to runs that were killed: they hold ~0.5 GB each."""
-    for old in dest.parent.glob(f".{dest.name}.tmp-*"):
-        try:
-            if time.time() - old.stat().st_mtime > _STALE_TMP_S:
-                shutil.rmtree(old, ignore_errors=True)
-        except OSError:  # removed meanwhile by another run
-            pass
 
 
 def _convert_gguf(package_dir: Path, spec: EmbeddedModel, out: Path) -> None:

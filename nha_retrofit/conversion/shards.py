@@ -1,13 +1,12 @@
 """Checkpoint files: find and check the weight shards, copy them, and add one shard with the new NHA tensors.
 
-Conversion never materialises the model: the original shards are copied byte for byte (the kernel copies
-them, so memory stays flat), and the gate projections, computed one k_proj at a time, go into one extra shard.
+Conversion never materialises the model: the original shards are copied byte for byte, a MiB at a time, so memory
+stays flat, and the gate projections, computed one k_proj at a time, go into one extra shard.
 The output is sharded like the Hub: `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`.
 """
 
+import hashlib
 import json
-import os
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checksums import hub_sha256
 from ..errors import NHARetrofitError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -130,20 +130,31 @@ class TensorReader:
             return handle.get_tensor(name)
 
 
-def write_sharded(checkpoint: Checkpoint, new_tensors: dict, output: Path) -> None:
-    """Copy the original shards (pickles become safetensors) and add `new_tensors` as one more shard, with an index."""
+def write_sharded(checkpoint: Checkpoint, new_tensors: dict, output: Path) -> dict[str, str]:
+    """Copy the original shards (pickles become safetensors) and add `new_tensors` as one more shard, with an index.
+
+    A shard the Hub gave a SHA-256 for is checked against it as it is copied; one without (a local folder) has each
+    tensor checked finite instead. Returns the SHA-256 of each shard written."""
     files = checkpoint.files
     total = len(files) + 1
     names = {file: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, file in enumerate(files)}
     gates_file = f"model-{total:05d}-of-{total:05d}.safetensors"
+    digests = {}
     for file, new_name in names.items():
         source = checkpoint.folder / file
         if checkpoint.pickled:
             state = _load_pickle(source)
+            check_finite(state.items(), source)
             save_file({k: v.contiguous() for k, v in state.items()}, output / new_name, metadata={"format": "pt"})
             del state
-        else:
-            shutil.copyfile(os.path.realpath(source), output / new_name)
+            continue
+        expected = hub_sha256(source)
+        digests[new_name] = _copy_hashed(source, output / new_name)
+        if expected is None:
+            with safe_open(output / new_name, framework="pt") as handle:
+                check_finite(((name, handle.get_tensor(name)) for name in handle.keys()), source)
+        elif digests[new_name] != expected:
+            raise NHARetrofitError(f"{source} is corrupt: its SHA-256 differs from the one the Hub gave for it")
     save_file({k: v.contiguous() for k, v in new_tensors.items()}, output / gates_file, metadata={"format": "pt"})
     weight_map = {name: names[file] for name, file in checkpoint.weight_map.items()}
     weight_map.update({name: gates_file for name in new_tensors})
@@ -155,3 +166,21 @@ def write_sharded(checkpoint: Checkpoint, new_tensors: dict, output: Path) -> No
     )
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (output / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return digests
+
+
+def _copy_hashed(source: Path, dest: Path) -> str:
+    """Copy `source` to `dest` a MiB at a time (memory stays flat); the SHA-256 of the bytes copied."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as reader, open(dest, "wb") as writer:
+        while piece := reader.read(1 << 20):
+            digest.update(piece)
+            writer.write(piece)
+    return digest.hexdigest()
+
+
+def check_finite(tensors, source: Path) -> None:
+    """Refuse a NaN or infinity in a floating-point tensor: what corrupted bytes in a weight most often read as."""
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NHARetrofitError(f"{source} is corrupt: tensor {name} holds non-finite values")

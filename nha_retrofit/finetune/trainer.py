@@ -3,8 +3,9 @@
 Works the same in one process (CPU or GPU) and under `accelerate launch` (DDP, FSDP2, DeepSpeed ZeRO-3). Every
 process reads the same packed-block stream and takes its own slice of each global micro-batch, so the data
 position is one number per run and resuming is exact. A checkpoint (trainable weights, optimizer, schedule, data
-position, RNG states, the run's summary so far) is written by accelerate into a temporary folder that is renamed
-`step-NNNNNNNN` only when complete; older ones are removed after that, so a failed save keeps the previous one.
+position, RNG states, the run's summary so far) is written into a temporary folder that is renamed `step-NNNNNNNN`
+only when complete, with a SHA-256 for each of its files (`checkpoints`); older ones are removed after that, so a
+failed save keeps the previous one, and a resume reads the newest one that verifies.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import platform
-import re
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from ..atomic import disk_failure
+from ..checksums import write_checksums
 from ..errors import NHARetrofitError
 from . import stages
+from .checkpoints import (list_checkpoints, newest_verified, read_training_state, weights_only_loading,
+                          write_training_state)
 from .data import load_blocks
 from .memory import GIB, project_memory
 from .model import (count_parameters, fp32_except_frozen_matrices, frozen_matrices, load_model, meta_model,
@@ -31,12 +36,11 @@ from .recipe import Recipe, load_recipe
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
 _COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 
 
 class RunState:
-    """What a checkpoint holds besides accelerate's own files (registered with `register_for_checkpointing`)."""
+    """What a checkpoint holds besides accelerate's own files and the schedule (in `checkpoints.TRAINING_STATE`)."""
 
     def __init__(self, data):
         self.data = data
@@ -77,13 +81,6 @@ def lr_lambda(recipe: Recipe, transfer_steps: int, lm_steps: int):
         return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     return at
-
-
-def list_checkpoints(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 def machine_description() -> str:
@@ -190,12 +187,10 @@ class Run:
         except (OSError, ValueError, TypeError) as error:
             raise NHARetrofitError(f"no usable tokenizer in {self.source.folder}: {str(error).splitlines()[0]}") from None
 
-    def _check_output(self):
+    def _check_output(self, log):
         existing = list_checkpoints(self.checkpoints)
         if self.resume:
-            if not existing:
-                raise NHARetrofitError(f"--resume: no checkpoint in {self.checkpoints}")
-            return existing[-1]
+            return newest_verified(self.checkpoints, log)
         if existing or (self.out / METRICS).exists():
             if not self.overwrite:
                 raise NHARetrofitError(
@@ -235,7 +230,7 @@ class Run:
         if data.train_tokens is not None:
             plan["epochs"] = round(plan["total_tokens"] / data.train_tokens, 3)
         plan["memory_per_gpu_gib"] = self.project_memory(skeleton, processes, plan["sharding"])
-        self._check_output()
+        self._check_output(self.log)
         measured = measured_peak_gib(self.out)
         if measured is not None:
             plan["measured_peak_gib"] = measured
@@ -272,7 +267,7 @@ class Run:
         plan = self.plan(acc.num_processes)
         plan["sharding"] = self.sharding
         self._check_sharding(self.sharding)
-        last = self._check_output()
+        last = self._check_output(self.log if acc.is_main_process else lambda *_: None)
         if acc.is_main_process:
             self.log(f"plan: {json.dumps(plan)}")
         set_seed(r.train.seed)
@@ -333,7 +328,6 @@ class Run:
                     f"exact only with train.trainable: lora or gates, not {r.train.trainable}"
                 )
         run = RunState(data)
-        acc.register_for_checkpointing(scheduler, run)
         trainable_names = {n for n, p in model.named_parameters() if p.requires_grad}
 
         def keep_trainable(models, weights, output_dir):  # checkpoints hold only what training changes
@@ -358,7 +352,14 @@ class Run:
         if last is not None:
             start = time.monotonic()
             # plain and DDP checkpoints hold only the trainable weights; FSDP / DeepSpeed write their own layouts
-            acc.load_state(str(last), **({} if self.sharding != "none" else {"strict": False}))
+            try:
+                with weights_only_loading():
+                    acc.load_state(str(last), **({} if self.sharding != "none" else {"strict": False}))
+            except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as error:
+                raise NHARetrofitError(f"cannot load checkpoint {last}: {str(error).splitlines()[0]}") from None
+            state = read_training_state(last)
+            run.load_state_dict(state["run"])
+            scheduler.load_state_dict(state["scheduler"])
             saved = run.summary.get("plan", {})
             for key in ("tokens_per_step", "attention_transfer_steps"):
                 if key in saved and saved[key] != plan[key]:
@@ -564,8 +565,9 @@ class Run:
         )
 
     def save_checkpoint(self, step: int) -> Path:
-        """accelerate.save_state into a temporary folder, renamed when complete; older ones removed after. The
-        time it took goes to the metrics."""
+        """accelerate.save_state and the run's state into a temporary folder, then the checksums, renamed when
+        complete; older ones removed after. A failed write (a full disk) removes the temporary folder and keeps the
+        previous checkpoint. The time it took goes to the metrics."""
         acc = self.acc
         began = time.monotonic()
         final = self.checkpoints / f"step-{step:08d}"
@@ -575,29 +577,46 @@ class Run:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        failure = None
-        try:
-            acc.save_state(str(tmp))
-        except OSError as error:
-            failure = error
-        failed = torch.tensor([1.0 if failure else 0.0], device=acc.device)
-        if acc.reduce(failed, reduction="sum").item() > 0:
+        self._on_every_process(lambda: acc.save_state(str(tmp)), tmp, final, previous)
+
+        def complete():
             if acc.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            reason = (failure.strerror or str(failure)) if failure else "failed on another process"
-            kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-            raise NHARetrofitError(f"cannot save checkpoint {final}: {reason}; {kept}")
+                write_training_state(tmp, {
+                    "step": step, "tokens": self.run.tokens, "recipe": json.loads(json.dumps(self.recipe.as_dict(),
+                                                                                            default=str)),
+                    "run": self.run.state_dict(), "scheduler": self.scheduler.state_dict()})
+                write_checksums(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+
+        self._on_every_process(complete, tmp, final, previous)
         if acc.is_main_process:
-            (tmp / "run.json").write_text(json.dumps(
-                {"step": step, "tokens": self.run.tokens, "recipe": self.recipe.as_dict()}, indent=2, default=str))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
             for old in list_checkpoints(self.checkpoints)[: -self.recipe.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
         self._write_metrics({"step": step, "checkpoint_s": round(time.monotonic() - began, 2)})
         return final
+
+    def _on_every_process(self, write, tmp: Path, final: Path, previous: list[Path]) -> None:
+        """Run `write` on each process; if it failed on any (a full disk: torch, safetensors and DeepSpeed each
+        report it their own way), remove the temporary folder and stop with one line."""
+        acc = self.acc
+        failure = None
+        try:
+            write()
+        except Exception as error:  # noqa: BLE001 - every process must reach the reduction below
+            failure = error
+        failed = torch.tensor([1.0 if failure else 0.0], device=acc.device)
+        if acc.reduce(failed, reduction="sum").item() == 0:
+            return
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None and disk_failure(failure) is None:
+            raise failure
+        reason = disk_failure(failure) if failure else "failed on another process"
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise NHARetrofitError(f"cannot save checkpoint {final}: {reason}; {kept}")
 
     # ------------------------------------------------------------------------------------------------ after
     def finish(self) -> dict:

@@ -1,6 +1,5 @@
 """The finetuning loop on tiny random models: stages, trainable sets, resume, export, bad input."""
 
-import errno
 import json
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from ft_helpers import tiny_recipe, write_corpus, write_tiny_original
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.finetune import finetune, load_recipe
-from nha_retrofit.finetune.trainer import list_checkpoints
+from nha_retrofit.finetune.checkpoints import list_checkpoints
 
 quiet = dict(log=lambda *_: None)
 
@@ -244,32 +243,6 @@ def test_non_finite_loss_stops_after_saving_the_last_good_state(world, tmp_path,
     monkeypatch.setattr(stages, "lm_loss", real)
     summary = finetune(recipe, resume=True, **quiet)
     assert summary["steps"] == 6
-
-
-def test_full_disk_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch):
-    from accelerate import Accelerator
-
-    model, data = world
-    real = Accelerator.save_state
-    calls = {"n": 0}
-
-    def failing(self, output_dir=None, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            (tmp_path / "run" / "checkpoints" / ".tmp-step-00000004").mkdir(parents=True, exist_ok=True)
-            (tmp_path / "run" / "checkpoints" / ".tmp-step-00000004" / "model.safetensors").write_bytes(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, output_dir, **kwargs)
-
-    monkeypatch.setattr(Accelerator, "save_state", failing)
-    recipe = tiny_recipe(model, data, tmp_path / "run")
-    with pytest.raises(NHARetrofitError, match=r"cannot save checkpoint .*step-00000004: No space left on device; "
-                                                r"the previous checkpoint .*step-00000002 is intact"):
-        finetune(recipe, **quiet)
-    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-00000002"]
-    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
-    monkeypatch.setattr(Accelerator, "save_state", real)
-    assert finetune(recipe, resume=True, **quiet)["steps"] == 6
 
 
 @pytest.mark.parametrize(
