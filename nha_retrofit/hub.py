@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checksums import verify_checksums
 from .conversion.converter import CONVERSION_RECORD, TOKENIZER_FILES
 from .conversion.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
@@ -42,8 +43,9 @@ class Upload:
 
 
 def checkpoint_files(folder: Path) -> list[str]:
-    """The files an NHA checkpoint consists of, after checking they are all there and whole."""
+    """The files an NHA checkpoint consists of, after checking they are all there, whole and unaltered."""
     nha_checkpoint_class(folder)
+    verify_checksums(folder)
     config = json.loads((folder / "config.json").read_text())
     if "auto_map" not in config:
         raise NHARetrofitError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code")
@@ -60,13 +62,57 @@ def checkpoint_files(folder: Path) -> list[str]:
 
 
 def public_record(folder: Path) -> dict | None:
-    """The conversion record without this machine's paths."""
+    """The conversion record as it goes out: only the fields `PUBLIC_RECORD` allows, so no path of this machine."""
     path = folder / CONVERSION_RECORD
     if not path.is_file():
         return None
-    record = json.loads(path.read_text())
-    record.pop("source_path", None)
-    return record
+    return _allowed(json.loads(path.read_text()), PUBLIC_RECORD)
+
+
+ANY, NAME = "any", "name"  # the value goes out as it is; only when it names a Hub repository or an embedded model
+_TRAIN_FIELDS = (
+    "trainable", "lora", "optimizer", "lr", "weight_decay", "betas", "schedule", "warmup_steps", "min_lr_ratio",
+    "batch_size", "grad_accum", "max_grad_norm", "precision", "gradient_checkpointing", "seed", "checkpoint_every",
+    "keep_checkpoints", "eval_every", "log_every", "tensorboard", "stop_after_steps", "threads",
+)
+_RUN_PLAN_FIELDS = (
+    "converted_on_the_fly", "full_layers", "windows", "processes", "tokens_per_step", "attention_transfer_steps",
+    "lm_steps", "total_steps", "total_tokens", "sharding", "trainable_parameters", "total_parameters", "epochs",
+    "memory_per_gpu_gib",
+)
+PUBLIC_RECORD = {
+    "source": NAME, "plan": ANY, "gate_init": ANY,
+    "finetune": {
+        **dict.fromkeys(("machine", "trainable_parameters", "total_parameters", "steps", "tokens", "wall_time_s",
+                         "peak_gib", "before", "after"), ANY),
+        "plan": dict.fromkeys(_RUN_PLAN_FIELDS, ANY),
+        "recipe": {
+            "model": {"path": NAME, "revision": ANY, "convert": ANY},
+            "data": {"dataset": NAME, **dict.fromkeys(("dataset_config", "split", "text_field", "seq_len",
+                                                       "eval_blocks", "seed", "shuffle_buffer"), ANY)},
+            "train": dict.fromkeys(_TRAIN_FIELDS, ANY),
+            "stages": ANY, "eval": ANY, "export": {"enabled": ANY},
+        },
+    },
+}
+
+
+def _allowed(value, spec):
+    """`value` cut down to what `spec` (a nested dict of field -> ANY, NAME or a further spec) allows."""
+    if spec == ANY:
+        return value
+    if spec == NAME:
+        return value if isinstance(value, str) and _names_a_repository(value) else None
+    if not isinstance(value, dict):
+        return None
+    kept = {key: _allowed(value[key], rule) for key, rule in spec.items() if key in value}
+    return {key: item for key, item in kept.items() if item is not None}
+
+
+def _names_a_repository(text: str) -> bool:
+    from .conversion.resolve import EMBEDDED_MODELS, is_hub_id
+
+    return text.lower() in EMBEDDED_MODELS or is_hub_id(text)
 
 
 def card_eval_results(evaluation: dict | None) -> list:

@@ -81,7 +81,7 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, revision:
         return _checked_folder(path.resolve(), f"model folder '{path}'")
     if path.exists():
         raise NHARetrofitError(f"'{text}' is a file; pass the folder that holds config.json and the weights")
-    if _is_hub_id(text):
+    if is_hub_id(text):
         return _from_hub(text, revision, token, allow_pickle, weights)
     raise NHARetrofitError(
         f"cannot resolve model '{text}': pass a local folder with config.json, a Hugging Face Hub id 'org/name', "
@@ -89,7 +89,7 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, revision:
     )
 
 
-def _is_hub_id(text: str) -> bool:
+def is_hub_id(text: str) -> bool:
     """`org/name` as the Hub spells repository ids (huggingface_hub's own check)."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ..checksums import verify_checksums
 from ..errors import NHARetrofitError
 from .modeling_nha import NHA_MODEL_CLASSES
 
@@ -25,8 +26,11 @@ def nha_checkpoint_class(folder: Path):
 
 
 def load_nha_checkpoint(folder: Path, dtype=torch.float32):
-    """The NHA checkpoint at `folder` in `dtype` on the CPU, in eval mode."""
-    return nha_checkpoint_class(folder).from_pretrained(folder, dtype=dtype).eval()
+    """The NHA checkpoint at `folder` in `dtype` on the CPU, in eval mode, after checking its files against the
+    checksums written with them."""
+    model_class = nha_checkpoint_class(folder)
+    verify_checksums(folder)
+    return model_class.from_pretrained(folder, dtype=dtype).eval()
 
 
 def resolve_device(device: str) -> torch.device:

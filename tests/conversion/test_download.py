@@ -5,6 +5,7 @@ is one line with nothing written; a dropped connection is resumed and a failed r
 import hashlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from cli_helpers import cli
 from hub_checkpoints import save_hub_checkpoint, use_local_hub
 from hub_server import LocalHub, serve_tree
+from nha_retrofit.checksums import CHECKSUMS
 from nha_retrofit.conversion import convert
 from nha_retrofit.plan import PlanSpec
 
@@ -68,7 +70,7 @@ def assert_same_conversion(out: Path, source: Path, tmp_path: Path, spec: PlanSp
     local = convert(source, tmp_path / "local-conversion", spec, log=lambda *_: None)
     names = {p.name for p in out.iterdir()}
     assert names == {p.name for p in local.iterdir()}
-    for name in names - {"nha_conversion.json"}:
+    for name in names - {"nha_conversion.json", CHECKSUMS}:
         assert (out / name).read_bytes() == (local / name).read_bytes(), name
 
 
@@ -87,6 +89,23 @@ def test_convert_downloads_only_what_conversion_reads(hub, sources, tmp_path):
     assert cli("plan", "org/tiny")[0] == 0
     assert cli("convert", "--select", "even", "org/tiny", "-o", tmp_path / "again", "--full-layers", "1")[0] == 0
     assert hub.requests == []
+
+
+def test_shard_altered_in_the_cache_is_refused_by_the_hubs_hash(hub, tmp_path):
+    """4 KiB flipped inside a tensor of a downloaded shard: random values a local folder could not tell from
+    weights, but the Hub gave each shard's SHA-256."""
+    assert cli("convert", "org/tiny", "-o", tmp_path / "out", "--full-layers", "1")[0] == 0
+    snapshot = next((tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots").iterdir())
+    shard = snapshot / "model-00002-of-00003.safetensors"
+    blob = shard.resolve()
+    data = bytearray(blob.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = random.Random(0).randbytes(4096)
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    code, output = cli("convert", "org/tiny", "-o", tmp_path / "again", "--full-layers", "1")
+    assert code == 1 and f"error: {shard} is corrupt: its SHA-256 differs from the one the Hub gave for it" in output
+    assert not (tmp_path / "again").exists()
 
 
 def test_plan_downloads_no_weights(hub):

@@ -1,10 +1,12 @@
-"""Training checkpoints under attack and damage: a planted pickle never runs, altered or truncated files are found
-and the resume falls back to the newest checkpoint that verifies, a full disk is one line and leaves nothing."""
+"""Finetuning under attack and damage: a pickle planted in a checkpoint never runs, altered or truncated checkpoint
+files are found and the resume falls back to the newest checkpoint that verifies, a full disk is one line and leaves
+nothing, an altered export is refused on load and on push, and the pushed record holds no path of this machine."""
 
 import errno
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 from safetensors import SafetensorError
@@ -12,8 +14,10 @@ from safetensors import SafetensorError
 from ft_helpers import tiny_recipe, write_corpus, write_tiny_original
 from nha_retrofit.checksums import write_checksums
 from nha_retrofit.errors import NHARetrofitError
+from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.finetune import finetune
 from nha_retrofit.finetune.checkpoints import list_checkpoints
+from nha_retrofit.hub import prepare_upload
 
 quiet = dict(log=lambda *_: None)
 
@@ -24,7 +28,7 @@ def world(tmp_path_factory):
     model, data = write_tiny_original(root / "orig"), write_corpus(root / "data")
     full = tiny_recipe(model, data, root / "full")
     finetune(full, **quiet)
-    return model, data, losses(root / "full")
+    return model, data, losses(root / "full"), root / "full" / "model"
 
 
 def losses(folder):
@@ -49,7 +53,7 @@ class Hostile:
 
 def stopped_run(world, folder, keep=2):
     """A run stopped after step 4 with checkpoints at steps 2 and 4."""
-    model, data, _ = world
+    model, data = world[:2]
     recipe = tiny_recipe(model, data, folder, train={"keep_checkpoints": keep, "stop_after_steps": 4})
     finetune(recipe, **quiet)
     recipe["train"]["stop_after_steps"] = None
@@ -132,7 +136,7 @@ def test_resume_with_no_checkpoint_that_verifies(world, tmp_path):
 def test_full_disk_while_saving_is_one_line_and_leaves_nothing(world, tmp_path, monkeypatch, error):
     from accelerate import Accelerator
 
-    model, data, _ = world
+    model, data = world[:2]
     real = Accelerator.save_state
     calls = {"n": 0}
 
@@ -154,3 +158,24 @@ def test_full_disk_while_saving_is_one_line_and_leaves_nothing(world, tmp_path, 
     monkeypatch.setattr(Accelerator, "save_state", real)
     assert finetune(recipe, resume=True, **quiet)["steps"] == 6
     assert_same_curve(losses(tmp_path / "run"), world[2])
+
+
+def test_altered_export_is_refused_on_load_and_on_push(world, tmp_path):
+    export = tmp_path / "model"
+    shutil.copytree(world[3], export)
+    load_nha_checkpoint(export)
+    flip_bytes(export / "model.safetensors", offset=1 << 12)
+    for load in (load_nha_checkpoint, lambda folder: prepare_upload(folder, "me/tiny-nha")):
+        with pytest.raises(NHARetrofitError, match=r"model.safetensors is corrupt: its SHA-256 differs"):
+            load(export)
+
+
+def test_pushed_record_holds_no_path_of_this_machine(world):
+    record = json.loads(prepare_upload(world[3], "me/tiny-nha").written["nha_conversion.json"])
+    text = json.dumps(record)
+    root = str(world[3].parents[1])
+    assert root not in text and '"/' not in text and "~" not in text
+    recipe = record["finetune"]["recipe"]
+    assert "output_dir" not in recipe["train"] and "files" not in recipe["data"] and "path" not in recipe["model"]
+    assert recipe["train"]["lr"] == 1e-3 and record["finetune"]["steps"] == 6 and record["plan"]["num_slots"] == 4
+    assert record["finetune"]["after"]["eval_ppl"] > 0 and "source" not in record
