@@ -35,7 +35,10 @@ def compare_perplexity(variants, tokenizer, texts=DEFAULT_TEXTS, *, max_tokens=8
     return results
 
 
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 40) -> str:
+COMPLETION_TOKENS = 40
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = COMPLETION_TOKENS) -> str:
     """Greedy completion of `prompt` by `model`, on the model's device."""
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     with torch.no_grad():

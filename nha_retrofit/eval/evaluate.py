@@ -17,7 +17,7 @@ import transformers
 
 from ..errors import NHARetrofitError
 from ..modeling.load import device_name, load_for_inference, resolve_placement
-from .compare import DEFAULT_TEXTS, check_texts, compare_perplexity, generate_text
+from .compare import COMPLETION_TOKENS, DEFAULT_TEXTS, check_texts, compare_perplexity, generate_text
 from .positions import PositionSpec
 from .needles import SUITE_TASKS
 from .retrieval import RETRIEVAL_TASKS, RetrievalSpec, check_lengths, check_spec, default_lengths
@@ -118,6 +118,9 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
 
         require_matplotlib()
     tokenizer = load_tokenizer(folder)
+    if prompt:
+        check_lengths([len(tokenizer(prompt)["input_ids"]) + COMPLETION_TOKENS], max_positions, allow_beyond_positions,
+                      what="length of --prompt and its completion")
     cells = retrieval_cells(tokenizer, plan.retrieval, retrieval) if plan.retrieval else None
     suite_samples = (build_suite(tokenizer, suite.lengths, suite.samples, suite.depths, suite.group, suite.haystack,
                                  suite.seed, plan.suite) if plan.suite else None)

@@ -3,7 +3,8 @@
 accelerate writes the weights (safetensors), the optimizer and the RNG states (read back with weights_only=True);
 the schedule, the data position and the run's summary go to `TRAINING_STATE` as JSON, never through accelerate's
 pickled custom state. `CHECKSUMS` lists every file written: a resume reads only a checkpoint whose files are exactly
-those, unaltered, and falls back to the newest one that is.
+those, unaltered, and falls back to the newest one that is. The pickles that FSDP and DeepSpeed add are read with
+the classes they are known to hold and nothing else.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 from pathlib import Path
+
+import torch
 
 from ..checksums import verify_checksums
 from ..errors import NHARetrofitError
@@ -50,6 +54,7 @@ def newest_verified(folder: Path, log) -> Path:
         try:
             verify_checksums(checkpoint, exact=True, required=True)
             _refuse_custom_state(checkpoint)
+            _check_distributed_metadata(checkpoint)
         except NHARetrofitError as error:
             log(f"checkpoint {checkpoint.name} fails verification ({error}); trying the one before it")
             continue
@@ -66,14 +71,47 @@ def _refuse_custom_state(checkpoint: Path) -> None:
         raise NHARetrofitError(f"{checkpoint} holds {planted[0].name}, a pickle no run writes; it is not read")
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint's `.metadata` (a plain pickle, which it loads unrestricted): only its own
+    descriptions of tensors, shapes, dtypes and paths."""
+
+    CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module, name):
+        found = super().find_class(module, name) if module.startswith(("torch", "pathlib")) else None
+        described = module == "torch.distributed.checkpoint.metadata" and isinstance(found, type)
+        if (module, name) in self.CLASSES or described or isinstance(found, torch.dtype):
+            return found
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def _check_distributed_metadata(checkpoint: Path) -> None:
+    for path in sorted(checkpoint.rglob("*.metadata")):
+        try:
+            with open(path, "rb") as handle:
+                _MetadataUnpickler(handle).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as error:
+            raise NHARetrofitError(f"{path} is not checkpoint metadata ({error}); it is not read") from None
+
+
+def deepspeed_state_classes() -> list:
+    """The classes DeepSpeed pickles beside the tensors of a ZeRO checkpoint: its stage and the loss scaler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
 @contextlib.contextmanager
-def weights_only_loading():
-    """Every torch.load inside (accelerate's, DeepSpeed's) reads tensors and plain containers only: a pickle that
-    names anything else is refused instead of run."""
+def weights_only_loading(classes=()):
+    """Every torch.load inside (accelerate's, DeepSpeed's) reads tensors, plain containers and `classes` only: a
+    pickle that names anything else is refused instead of run."""
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        yield
+        with torch.serialization.safe_globals(list(classes)):
+            yield
     finally:
         if previous is None:
             del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]

@@ -291,8 +291,11 @@ def load_recipe(source: str | Path | dict, overrides: list[str] = ()) -> Recipe:
         recipe = Recipe.model_validate(raw)
     except ValidationError as error:
         raise NHARetrofitError("; ".join(describe(e) for e in error.errors())) from None
-    recipe.data.files = [expand_path(p, base) for p in recipe.data.files]
-    recipe.data.exclude = [expand_path(p, base) for p in recipe.data.exclude]
+    recipe.data.files = [expand_path(p, base, "data.files") for p in recipe.data.files]
+    recipe.data.exclude = [expand_path(p, base, "data.exclude") for p in recipe.data.exclude]
+    recipe.train.output_dir = expand_path(recipe.train.output_dir, base, "train.output_dir")
+    if recipe.export.folder is not None:
+        recipe.export.folder = expand_path(recipe.export.folder, base, "export.folder")
     return recipe
 
 
@@ -307,11 +310,13 @@ def path_placeholders(base: Path | None = None) -> dict:
     }
 
 
-def expand_path(pattern: str, base: Path) -> str:
+def expand_path(pattern: str, base: Path, key: str) -> str:
+    """One rule for every path a recipe names: placeholders and `~` expand, and a relative path stays relative to
+    the working folder, as on the command line (`{recipe_dir}/...` names the recipe's own folder)."""
     try:
         return str(Path(pattern.format(**path_placeholders(base))).expanduser())
     except (KeyError, IndexError, ValueError) as error:
         raise NHARetrofitError(
-            f"recipe key data.files: {pattern!r} uses an unknown placeholder {error}; "
+            f"recipe key {key}: {pattern!r} uses an unknown placeholder {error}; "
             "available: {stdlib}, {shakespeare}, {recipe_dir}"
         ) from None

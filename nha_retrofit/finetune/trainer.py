@@ -26,8 +26,8 @@ from ..atomic import disk_failure
 from ..checksums import write_checksums
 from ..errors import NHARetrofitError
 from . import stages
-from .checkpoints import (list_checkpoints, newest_verified, read_training_state, weights_only_loading,
-                          write_training_state)
+from .checkpoints import (deepspeed_state_classes, list_checkpoints, newest_verified, read_training_state,
+                          weights_only_loading, write_training_state)
 from .data import load_blocks
 from .memory import GIB, project_memory
 from .model import (count_parameters, fp32_except_frozen_matrices, frozen_matrices, load_model, meta_model,
@@ -353,7 +353,8 @@ class Run:
             start = time.monotonic()
             # plain and DDP checkpoints hold only the trainable weights; FSDP / DeepSpeed write their own layouts
             try:
-                with weights_only_loading():
+                deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+                with weights_only_loading(deepspeed_state_classes() if deepspeed else ()):
                     acc.load_state(str(last), **({} if self.sharding != "none" else {"strict": False}))
             except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as error:
                 raise NHARetrofitError(f"cannot load checkpoint {last}: {str(error).splitlines()[0]}") from None

@@ -97,6 +97,9 @@ def test_the_retrieval_suite_on_a_users_own_haystack(checkpoint, tmp_path):
     (["--tasks", "passkey", "--lengths", "256,1024"], "length 1024 is beyond the model's 512 positions "
                                                       "(max_position_embeddings); pass --allow-beyond-positions"),
     (["--tasks", "positions", "--position-length", "600"], "position length 600 is beyond the model's 512"),
+    (["--tasks", "heldout", "--prompt", "a b " * 300], "length of --prompt and its completion 641 is beyond the "
+                                                       "model's 512 positions (max_position_embeddings); pass "
+                                                       "--allow-beyond-positions"),
     (["--tasks", "passkee", "--include-path", "TASKS"], "unknown task 'passkee' (did you mean 'passkey'?)"),
     (["--tasks", "passkey", "--depths", "0,150"], "needle depths are percentages from 0 to 100"),
     (["--tasks", "heldout", "--texts", "wikitext"], "unknown text 'wikitext'"),

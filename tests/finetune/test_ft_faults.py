@@ -16,7 +16,7 @@ from nha_retrofit.checksums import write_checksums
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.finetune import finetune
-from nha_retrofit.finetune.checkpoints import list_checkpoints
+from nha_retrofit.finetune.checkpoints import list_checkpoints, newest_verified
 from nha_retrofit.hub import prepare_upload
 
 quiet = dict(log=lambda *_: None)
@@ -89,6 +89,33 @@ def test_hostile_pickle_in_place_of_accelerate_state_is_refused(world, tmp_path,
     else:  # accelerate skips RNG states it cannot read
         finetune(recipe, resume=True, **quiet)
     assert not marker.exists()
+
+
+def test_distributed_checkpoint_metadata_is_read_with_its_own_classes_only(tmp_path):
+    """FSDP's shards come with torch.distributed.checkpoint's `.metadata`, a pickle torch loads unrestricted: it is
+    checked first, so a hostile one is refused and its checkpoint skipped."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.randn(1, 3)).sum().backward()
+    optimizer.step()
+    for step in (2, 4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group: one process saves everything
+            dcp.save({"model": layer.state_dict(), "optim": optimizer.state_dict()},
+                     checkpoint_id=tmp_path / f"step-{step:08d}" / "pytorch_model_fsdp_0")
+        write_checksums(tmp_path / f"step-{step:08d}")
+    marker = tmp_path / "ran"
+    latest = tmp_path / "step-00000004"
+    (latest / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(Hostile(marker)))
+    write_checksums(latest)
+    said = []
+    assert newest_verified(tmp_path, said.append) == tmp_path / "step-00000002"
+    assert f"it names posix.system" in said[0] and "it is not read" in said[0] and not marker.exists()
 
 
 def flip_bytes(path, offset=-4096, count=4096, seed=0):

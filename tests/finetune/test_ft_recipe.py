@@ -96,6 +96,24 @@ def test_placeholders_and_relative_paths(tmp_path):
         load_recipe(minimal(data={"files": ["{nowhere}/a.txt"]}))
 
 
+def test_every_path_key_follows_one_rule(tmp_path, monkeypatch):
+    """Placeholders and ~ expand in data and output paths alike; a relative path stays relative to the working
+    folder, as on the command line, wherever the recipe lies."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    sections = dict(data={"files": ["docs/*.txt", "{recipe_dir}/x.txt"]}, train={"output_dir": "{recipe_dir}/run"},
+                    export={"folder": "~/exports/model"})
+    (tmp_path / "recipes").mkdir()
+    recipe = load_recipe(save_recipe(minimal(**sections), tmp_path / "recipes" / "r.yaml"))
+    folder = (tmp_path / "recipes").resolve()
+    assert recipe.data.files == ["docs/*.txt", str(folder / "x.txt")]
+    assert recipe.train.output_dir == str(folder / "run")
+    assert recipe.export.folder == str(tmp_path / "home" / "exports" / "model")
+    assert load_recipe(save_recipe(minimal(train={"output_dir": "runs/a"}), tmp_path / "recipes" / "s.yaml")
+                       ).train.output_dir == "runs/a"
+    with pytest.raises(NHARetrofitError, match=r"recipe key train.output_dir: '\{run\}/x' uses an unknown placeholder"):
+        load_recipe(minimal(train={"output_dir": "{run}/x"}))
+
+
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipes")
