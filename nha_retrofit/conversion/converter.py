@@ -71,23 +71,40 @@ def new_layer_tensors(config, plan: LayerPlan, key_weight, layer: int, gate_init
 
 
 def check_tensor_names(checkpoint, model_class, config) -> None:
-    """Every tensor of the checkpoint is one the config's model has, and every one it needs is there: a config
-    that names fewer layers than the shards hold (or more) is refused instead of converting part of them."""
+    """Every tensor of the checkpoint is one the config's model loads, and every one it needs is there: a config
+    that names fewer layers than the shards hold (or more) is refused instead of converting part of them. Names go
+    through transformers' own renaming of checkpoint keys (per-expert tensors load into fused ones)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        expected = set(model_class(config).state_dict())
+        model = model_class(config)
+    loads_into = _model_names(model, checkpoint.weight_map)
+    expected = set(model.state_dict())
     added = {name for name in expected if name.endswith((".g_proj.weight", ".slot_bias"))}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    present = set(checkpoint.weight_map)
-    missing = sorted(expected - added - optional - present)
+    missing = sorted(expected - added - optional - set(loads_into.values()))
     ignored = [re.compile(p) for p in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []]
-    extra = sorted(name for name in present - expected if not any(p.search(name) for p in ignored))
+    extra = sorted(name for name, target in loads_into.items()
+                   if target not in expected and not any(p.search(name) for p in ignored))
     if missing or extra:
         layers = f"config.json gives {config.num_hidden_layers} layers; "
         detail = f"it lacks {missing[0]}" if missing else f"it holds {extra[0]}, which that model does not have"
         raise NHARetrofitError(f"the checkpoint in {checkpoint.folder} does not match its config: {layers}{detail} "
                                f"({len(missing)} missing, {len(extra)} unexpected)")
+
+
+def _model_names(model, names) -> dict:
+    """checkpoint tensor name -> the name of the model's tensor it loads into, as transformers renames them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    expected = model.state_dict()
+    renamed = {name: rename_source_key(name, renamings, converters, model.base_model_prefix, expected)[0]
+               for name in names}
+    return {name: name if target not in expected and name in expected else target for name, target in renamed.items()}
 
 
 def copy_tokenizer_files(source: Path, folder: Path) -> list[str]:
