@@ -49,6 +49,15 @@ def write_checksums(folder: Path, known: dict[str, str] | None = None) -> None:
     (Path(folder) / CHECKSUMS).write_text(json.dumps(digests, indent=2) + "\n")
 
 
+def checksums_of(folder: Path, files: list[str], written: dict[str, bytes]) -> bytes:
+    """The checksum record of a copy of `folder` that holds `files` from it and `written` (name -> bytes) instead
+    of its own files of those names; the digests already recorded for `files` are reused."""
+    recorded = json.loads((Path(folder) / CHECKSUMS).read_text())
+    digests = {name: recorded.get(name) or sha256_of(Path(folder) / name) for name in files}
+    digests.update({name: hashlib.sha256(data).hexdigest() for name, data in written.items()})
+    return (json.dumps(dict(sorted(digests.items())), indent=2) + "\n").encode()
+
+
 def verify_checksums(folder: Path, *, exact: bool = False, required: bool = False) -> bool:
     """Check every listed file's digest (with `exact`, also that nothing unlisted is there). Returns False when the
     folder carries no record and `required` is off; raises NHARetrofitError naming the first difference."""
@@ -68,7 +77,9 @@ def verify_checksums(folder: Path, *, exact: bool = False, required: bool = Fals
         if not file.resolve().is_relative_to(folder.resolve()) or not file.is_file():
             raise NHARetrofitError(f"{folder} lacks {name}, which {CHECKSUMS} lists")
         if sha256_of(file) != expected:
-            raise NHARetrofitError(f"{file} is corrupt: its SHA-256 differs from the one recorded when it was written")
+            hint = "" if required else f" (if you changed it on purpose, delete {path} to stop checking)"
+            raise NHARetrofitError(f"{file} is corrupt: its SHA-256 differs from the one recorded when it was "
+                                   f"written{hint}")
     if exact:
         unlisted = sorted(set(folder_files(folder)) - set(digests))
         if unlisted:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checksums import verify_checksums
+from .checksums import CHECKSUMS, checksums_of, verify_checksums
 from .conversion.converter import CONVERSION_RECORD, TOKENIZER_FILES
 from .conversion.shards import SAFETENSORS_INDEX, find_checkpoint
 from .errors import NHARetrofitError
@@ -45,7 +45,6 @@ class Upload:
 def checkpoint_files(folder: Path) -> list[str]:
     """The files an NHA checkpoint consists of, after checking they are all there, whole and unaltered."""
     nha_checkpoint_class(folder)
-    verify_checksums(folder)
     config = json.loads((folder / "config.json").read_text())
     if "auto_map" not in config:
         raise NHARetrofitError(f"{folder}/config.json has no auto_map: it would not load with trust_remote_code")
@@ -58,6 +57,7 @@ def checkpoint_files(folder: Path) -> list[str]:
     if not (folder / "tokenizer_config.json").is_file():
         raise NHARetrofitError(f"{folder} has no tokenizer files: the model would not be usable from the Hub")
     tokenizer = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    verify_checksums(folder)
     return ["config.json", *index, *weights, *modeling, *tokenizer]
 
 
@@ -225,6 +225,8 @@ def prepare_upload(folder, repo_id: str) -> Upload:
     else:
         config = json.loads((folder / "config.json").read_text())
         written["README.md"] = model_card(repo_id, config, record, evaluation).encode()
+    if (folder / CHECKSUMS).is_file():  # verified above: the repository carries the digests of what it holds
+        written[CHECKSUMS] = checksums_of(folder, files, written)
     sent = set(files) | set(written)
     skipped = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                      if p.is_file() and str(p.relative_to(folder)) not in sent)

@@ -2,6 +2,7 @@
 and one clear line for every mistake. The Hub itself is replaced by a recording stand-in, except in the offline
 check, which runs the real client in a fresh process."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import pytest
 from huggingface_hub.errors import LocalTokenNotFoundError, OfflineModeIsEnabled
 
 from cli_helpers import cli
+from nha_retrofit.checksums import CHECKSUMS
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.hub import model_card, prepare_upload, push_checkpoint
 
@@ -56,8 +58,11 @@ def test_one_commit_holds_the_whole_checkpoint_and_a_card(family):
     expected = {"config.json", "model.safetensors.index.json", *index["weight_map"].values(), "modeling_nha.py",
                 "configuration_nha.py", "nha_cache.py", "tokenizer.json", "README.md", "nha_conversion.json"}
     assert expected <= set(operations) and hub.calls[2][2]["revision"] == "v1"
-    for name in set(operations) - {"README.md", "nha_conversion.json"}:
+    for name in set(operations) - {"README.md", "nha_conversion.json", CHECKSUMS}:
         assert read(operations[name]) == (out / name).read_bytes()
+    pushed = {name: read(operation) for name, operation in operations.items()}
+    digests = json.loads(pushed.pop(CHECKSUMS))  # the repository's files as sent, the rewritten record included
+    assert digests == {name: hashlib.sha256(data).hexdigest() for name, data in pushed.items()}
     record = json.loads(read(operations["nha_conversion.json"]))
     assert "source_path" not in record and record["plan"]["windows"] == json.loads(
         (out / "config.json").read_text())["nha_windows"]

@@ -55,8 +55,12 @@ def test_output_records_each_file_and_loading_checks_it(tiny_llama_folder, tmp_p
     load_nha_checkpoint(out)
     shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
     flip_inside_a_tensor(shard)
-    with pytest.raises(NHARetrofitError, match=rf"{shard.name} is corrupt: its SHA-256 differs"):
+    with pytest.raises(NHARetrofitError, match=rf"{shard.name} is corrupt: its SHA-256 differs from the one recorded "
+                                               rf"when it was written \(if you changed it on purpose, delete "
+                                               rf".*{CHECKSUMS} to stop checking\)"):
         load_nha_checkpoint(out)
+    (out / CHECKSUMS).unlink()
+    load_nha_checkpoint(out)
 
 
 def test_local_source_with_corrupt_bytes_is_refused(tiny_llama_folder, tmp_path):
