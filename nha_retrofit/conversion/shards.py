@@ -1,16 +1,19 @@
 """Checkpoint files: find and check the weight shards, copy them, and add one shard with the new NHA tensors.
 
-Conversion never materialises the model: the original shards are copied byte for byte, a MiB at a time, so memory
-stays flat, and the gate projections, computed one k_proj at a time, go into one extra shard.
-The output is sharded like the Hub: `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`.
+Conversion never materialises the model: the original shards are read once to hash them (and, without a hash from
+the Hub, to check their values finite) and copied byte for byte by the kernel, so memory stays flat, and the gate
+projections, computed one k_proj at a time, go into one extra shard. The output is sharded like the Hub: `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`.
 """
 
 import hashlib
 import json
+import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -21,6 +24,10 @@ from ..errors import NHARetrofitError
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin")
+_PIECE = 1 << 22  # a multiple of every element size
+# a float is NaN or infinite when its exponent bits are all ones: (element type of its bits, exponent mask)
+_EXPONENT_BITS = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (np.uint32, 0x7F800000),
+                  "F64": (np.uint64, 0x7FF0000000000000)}
 
 
 @dataclass
@@ -149,12 +156,10 @@ def write_sharded(checkpoint: Checkpoint, new_tensors: dict, output: Path) -> di
             del state
             continue
         expected = hub_sha256(source)
-        digests[new_name] = _copy_hashed(source, output / new_name)
-        if expected is None:
-            with safe_open(output / new_name, framework="pt") as handle:
-                check_finite(((name, handle.get_tensor(name)) for name in handle.keys()), source)
-        elif digests[new_name] != expected:
+        digests[new_name] = _read_checked(source, check_values=expected is None)
+        if expected is not None and digests[new_name] != expected:
             raise NHARetrofitError(f"{source} is corrupt: its SHA-256 differs from the one the Hub gave for it")
+        shutil.copyfile(os.path.realpath(source), output / new_name)
     save_file({k: v.contiguous() for k, v in new_tensors.items()}, output / gates_file, metadata={"format": "pt"})
     weight_map = {name: names[file] for name, file in checkpoint.weight_map.items()}
     weight_map.update({name: gates_file for name in new_tensors})
@@ -169,14 +174,41 @@ def write_sharded(checkpoint: Checkpoint, new_tensors: dict, output: Path) -> di
     return digests
 
 
-def _copy_hashed(source: Path, dest: Path) -> str:
-    """Copy `source` to `dest` a MiB at a time (memory stays flat); the SHA-256 of the bytes copied."""
+def _read_checked(source: Path, check_values: bool) -> str:
+    """The SHA-256 of `source`, read 4 MiB at a time (memory stays flat); with `check_values`, every floating-point
+    tensor's values are checked finite as they stream through."""
+    header = _safetensors_header(source) if check_values else {}
+    spans = sorted((entry["data_offsets"], name, _EXPONENT_BITS[entry["dtype"]]) for name, entry in header.items()
+                   if name != "__metadata__" and entry["dtype"] in _EXPONENT_BITS)
     digest = hashlib.sha256()
-    with open(source, "rb") as reader, open(dest, "wb") as writer:
-        while piece := reader.read(1 << 20):
-            digest.update(piece)
-            writer.write(piece)
+    with open(source, "rb") as reader:
+
+        def read(length: int, bits=None, name=None) -> None:
+            while length > 0:
+                piece = reader.read(min(length, _PIECE))
+                if not piece:
+                    return
+                digest.update(piece)
+                length -= len(piece)
+                if bits is not None and _any_exponent_all_ones(piece, *bits):
+                    raise NHARetrofitError(f"{source} is corrupt: tensor {name} holds non-finite values")
+
+        if spans:
+            start = 8 + struct.unpack("<Q", reader.read(8))[0]
+            reader.seek(0)
+            read(start)
+            for (begin, end), name, bits in spans:
+                if start + begin < reader.tell():
+                    raise NHARetrofitError(f"{source} is not a valid safetensors file: tensor {name} overlaps another")
+                read(start + begin - reader.tell())
+                read(end - begin, bits, name)
+        read(source.stat().st_size - reader.tell())
     return digest.hexdigest()
+
+
+def _any_exponent_all_ones(data: bytes, element, mask: int) -> bool:
+    """Whether any float in `data` is NaN or infinite, from its bits (one pass, no torch threads to wake)."""
+    return int(np.bitwise_and(np.frombuffer(data, dtype=element), mask).max()) == mask
 
 
 def check_finite(tensors, source: Path) -> None:

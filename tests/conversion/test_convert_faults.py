@@ -108,7 +108,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(tiny_llama_folder, tmp_path, m
         dest.write_bytes(b"partial")
         raise error
 
-    monkeypatch.setattr(shards, "_copy_hashed" if where == "copy" else "save_file", full)
+    monkeypatch.setattr(*(shards.shutil, "copyfile") if where == "copy" else (shards, "save_file"), full)
     output = error_line(*cli("convert", tiny_llama_folder, "-o", tmp_path / "nha", "--full-layers", "1"))
     assert output == f"error: cannot write {tmp_path / 'nha'}: No space left on device; nothing was written"
     assert not (tmp_path / "nha").exists() and leftovers(tmp_path) == []
