@@ -19,6 +19,7 @@ from nha_retrofit.conversion import converter, convert, shards
 from nha_retrofit.conversion.resolve import resolve_model
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.modeling.load import load_nha_checkpoint
+from nha_retrofit.plan import PlanSpec
 
 quiet = dict(log=lambda *_: None)
 
@@ -48,7 +49,7 @@ def leftovers(folder):
 
 
 def test_output_records_each_file_and_loading_checks_it(tiny_llama_folder, tmp_path):
-    out = convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, window=2, slots=3, **quiet)
+    out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1, window=2, slots=3), **quiet)
     recorded = json.loads((out / CHECKSUMS).read_text())
     assert set(recorded) == {p.name for p in out.iterdir()} - {CHECKSUMS}
     assert all(sha256_of(out / name) == digest for name, digest in recorded.items())
@@ -85,7 +86,7 @@ def test_config_that_disagrees_with_the_shards_is_refused(tiny_llama_folder, tmp
 
 def test_second_of_two_runs_to_one_output_fails_and_keeps_the_first(tiny_llama_folder, tmp_path, monkeypatch):
     out = tmp_path / "nha"
-    first = convert(tiny_llama_folder, tmp_path / "first", full_layers=1, **quiet)
+    first = convert(tiny_llama_folder, tmp_path / "first", PlanSpec(full_layers=1), **quiet)
     real = converter.write_remote_code
 
     def other_run_finishes(folder, model_class):  # the other run renames its output while this one writes
@@ -129,7 +130,7 @@ def test_temporary_folders_of_killed_runs_are_removed(tiny_llama_folder, tmp_pat
         folder.mkdir()
         (folder / "model-00001-of-00002.safetensors").write_bytes(bytes(2_000_000))
     said = []
-    convert(tiny_llama_folder, tmp_path / "nha", full_layers=1, log=said.append)
+    convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layers=1), log=said.append)
     assert f"removed {killed} (2 MB), left by a run that was killed" in said
     assert not killed.exists() and live.exists() and other_host.exists()
 
