@@ -43,7 +43,7 @@ def write_corpus(folder: Path, files: int = 6, size: int = 3000) -> Path:
 
 def tiny_recipe(model_path: Path, data_dir: Path, out: Path, **sections) -> dict:
     recipe = {
-        "model": {"path": str(model_path), "convert": {"full_layers": 1, "window": 4, "slots": 4}},
+        "model": {"path": str(model_path), "convert": {"full_layers": 1, "select": "even", "window": 4, "slots": 4}},
         "data": {"files": [str(data_dir / "*.txt")], "seq_len": 32, "eval_blocks": 2},
         "train": {"lr": 1e-3, "batch_size": 2, "warmup_steps": 1, "output_dir": str(out), "checkpoint_every": 2,
                   "threads": 1},
