@@ -82,6 +82,16 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def honour_umask(folder: Path) -> None:
+    """Give `folder` and everything in it the modes the umask gives new files and folders: writers that go through
+    mkstemp/mkdtemp (safetensors' save_file, tempfile) would otherwise leave them private to this user."""
+    umask = current_umask()
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_folder(dest: Path, overwrite: bool = False, log=None):
     """Yield a temporary folder beside `dest`; on success it replaces `dest` (kept until then), on error it goes.
@@ -97,6 +107,7 @@ def atomic_folder(dest: Path, overwrite: bool = False, log=None):
         raise NHARetrofitError(f"cannot write to {dest.parent}: {error.strerror}") from None
     try:
         yield tmp
+        honour_umask(tmp)
         if overwrite and dest.exists():
             old = Path(tempfile.mkdtemp(prefix=temporary_prefix(dest, "old"), dir=dest.parent))
             os.replace(dest, old / "previous")

@@ -168,3 +168,24 @@ def test_random_gate_init(tiny_llama_folder, tmp_path):
     attention = load_nha_checkpoint(tmp_path / "out").model.layers[0].self_attn
     assert not torch.equal(attention.g_proj.weight, attention.k_proj.weight)
     assert 0.01 < attention.g_proj.weight.std() < 0.03
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("pickled", [False, True])
+def test_every_written_file_honours_the_umask(tmp_path, umask, pickled):
+    """safetensors writes through a private temporary file: the new shards were left 0600 while the rest was 0644."""
+    import os
+
+    if pickled:
+        save_pickle_checkpoint(tmp_path / "src")
+    else:
+        tiny_llama(seed=4).save_pretrained(tmp_path / "src")
+    previous = os.umask(umask)
+    try:
+        code, output = cli("convert", tmp_path / "src", "-o", tmp_path / "out", "--allow-pickle", "--full-layers", "1")
+    finally:
+        os.umask(previous)
+    assert code == 0, output
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "out").iterdir()}
+    assert len(modes) > 10 and set(modes.values()) == {0o666 & ~umask}, modes
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
