@@ -9,11 +9,54 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from .errors import NHARetrofitError
 from .plan import FULL_LAYER_SHARE, PlanSpec, parse_windows
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+click_errors = sys.modules[typer.BadParameter.__module__]  # click's exceptions (newer typer vendors click)
+
+
+class OneLineErrors(TyperGroup):
+    """Parse errors (a bad number, an unknown option or verb) follow the same contract as every other user mistake:
+    one `error:` line on stderr, exit 1; click's own suggestions ("Did you mean ...?") stay in the line."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as help_page:
+            help_page.show()
+            sys.exit(0)
+        except click_errors.ClickException as error:
+            message = " ".join(error.format_message().split())
+            typer.secho(f"error: {message[:1].lower()}{message[1:]}", fg=typer.colors.RED, err=True)
+            sys.exit(1)
+        except typer.Abort:
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def print_version(value: bool):
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"nha-retrofit {version('nha-retrofit')}")
+        raise typer.Exit()
+
+
+# Plain click help (no rich panels): it wraps long option names and help at any width instead of cutting them at 80.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0], cls=OneLineErrors,
+                  rich_markup_mode=None)
+
+
+@app.callback()
+def options(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=print_version, help="Print the version and exit.")] = False,
+):
+    pass
 
 
 def user_errors(command):
@@ -30,11 +73,11 @@ def user_errors(command):
     return wrapper
 
 
-def parse_ints(text: str, expected: str) -> list[int]:
+def parse_ints(text: str, option: str, expected: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{text!r}: expected comma-separated {expected}") from None
+        raise typer.BadParameter(f"{text!r}: expected comma-separated {expected}", param_hint=option) from None
 
 
 def parse_names(text: str) -> list[str]:
@@ -42,7 +85,7 @@ def parse_names(text: str) -> list[str]:
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
-    return None if text is None else parse_ints(text, "layer numbers such as 3,11,19,27")
+    return None if text is None else parse_ints(text, "--full-layer-ids", "layer numbers such as 3,11,19,27")
 
 
 def write_json(path: Path | None, report: dict) -> None:
@@ -112,9 +155,12 @@ def convert(
     token: TokenOption = None,
 ):
     """Convert a pretrained Llama, Qwen2.5 or Qwen3-MoE model into an NHA hybrid checkpoint (shard by shard)."""
+    from .atomic import check_output_folder
+
+    check_output_folder(output, overwrite)  # like the plan's checks, before torch is imported
+    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
     from .conversion.converter import convert as run_convert
 
-    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
     run_convert(model, output, spec, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
                 revision=revision, token=token)
 
@@ -135,11 +181,11 @@ def plan(
     token: TokenOption = None,
 ):
     """Print the layer plan (per layer: window, slots, new parameters, cache bytes) without converting."""
+    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
     from .conversion.resolve import resolve_model
     from .conversion.source import read_source_config_dict
     from .plan import plan_table
 
-    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
     config = read_source_config_dict(resolve_model(model, revision=revision, token=token, weights=False))
     ranking = None
     if spec.needs_ranking:  # the retrieval probe reads the weights (downloaded for a Hub id)
@@ -204,8 +250,8 @@ def evaluate(
     if output is not None:
         check_output_folder(output, overwrite)
     task_names = parse_names(tasks)
-    chosen_lengths = parse_ints(lengths, "lengths such as 1024,4096") if lengths else None
-    chosen_depths = parse_ints(depths, "depths in percent such as 0,50,100")
+    chosen_lengths = parse_ints(lengths, "--lengths", "lengths such as 1024,4096") if lengths else None
+    chosen_depths = parse_ints(depths, "--depths", "depths in percent such as 0,50,100")
     given = {key: value for key, value in dict(samples=samples, haystack=haystack, seed=seed).items()
              if value is not None}  # the others: each kind's own default
     report = evaluate_checkpoint(
@@ -263,20 +309,31 @@ def bench(
     json_output: JsonOption = None,
 ):
     """Prefill, decode, memory and batch throughput: an NHA model against its original with the same weights."""
-    from .bench.run import benchmark_checkpoint, benchmark_random_weights
-
     if (checkpoint is None) == (random_weights is None):
         raise NHARetrofitError("give a checkpoint folder or --random-weights CONFIG (one of the two)")
+    plan_options = {"--layers": layers, "--full-layers": full_layers, "--full-layer-ids": full_layer_ids,
+                    "--select": select, "--windows": windows, "--window": window, "--slots": slots}
+    given = [name for name, value in plan_options.items() if value is not None]
+    if checkpoint is not None and given:
+        raise NHARetrofitError(f"{given[0]} applies only with --random-weights: a checkpoint benchmarks the plan in "
+                               f"its config.json")
     options = dict(
-        contexts=parse_ints(contexts, "context lengths such as 512,2048"), decode_steps=decode_steps, rounds=rounds,
-        batch_sizes=parse_ints(batch_sizes, "batch sizes such as 1,8,32"), longest=longest,
-        batch_contexts=None if batch_contexts is None else parse_ints(batch_contexts, "context lengths"),
-        compile_original=compile_original, kv_cache=kv_cache_dtype, device=device, dtype=dtype, progress=True,
+        contexts=parse_ints(contexts, "--contexts", "context lengths such as 512,2048"), decode_steps=decode_steps,
+        rounds=rounds, batch_sizes=parse_ints(batch_sizes, "--batch-sizes", "batch sizes such as 1,8,32"),
+        batch_contexts=None if batch_contexts is None else parse_ints(batch_contexts, "--batch-contexts",
+                                                                      "context lengths"),
+        longest=longest, compile_original=compile_original, kv_cache=kv_cache_dtype, device=device, dtype=dtype,
+        progress=True,
     )
+    if random_weights is not None:
+        if full_layers is None and full_layer_ids is None and windows is None and layers is not None:
+            full_layers = min(PlanSpec.full_layers, layers)  # the default, on a model cut to --layers
+        spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots)
+    from .bench.run import benchmark_checkpoint, benchmark_random_weights
+
     if checkpoint is not None:
         report = benchmark_checkpoint(checkpoint, **options)
     else:
-        spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots)
         report = benchmark_random_weights(random_weights, spec, layers=layers, **options)
     from .bench import plots
     from .bench.output import write_report
@@ -308,15 +365,17 @@ def search(
     chunk_len: Annotated[int, typer.Option(help="Tokens per independent chunk (longer than the window).")] = 512,
     device: DeviceOption = "auto",
     json_output: JsonOption = None,
+    revision: RevisionOption = None,
+    token: TokenOption = None,
 ):
     """Choose the layers that keep full attention: each layer's KL divergence from the original when it alone is NHA."""
-    from .eval.layer_search import format_search, search_full_layers
-
     spec = plan_spec(full_layers, window=window, slots=slots, gate_normalizer=gate_normalizer,
                      slot_bias_init=slot_bias_init)
+    from .eval.layer_search import format_search, search_full_layers
+
     report = search_full_layers(
         model, spec, texts=parse_names(texts), check_texts=parse_names(check_texts), max_tokens=max_tokens,
-        chunk_len=chunk_len, device=device, progress=True,
+        chunk_len=chunk_len, device=device, revision=revision, token=token, progress=True,
     )
     typer.echo(format_search(report))
     write_json(json_output, report)
@@ -332,12 +391,15 @@ def push(
     message: Annotated[str | None, typer.Option(help="Commit message.")] = None,
     token: Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Check and list what would be sent; send nothing.")] = False,
+    show_card: Annotated[bool, typer.Option(help="Also print the model card (README.md) that is sent.")] = False,
 ):
     """Publish a checkpoint on the Hugging Face Hub in one commit, checked complete, with a model card."""
     from .hub import prepare_upload, push_checkpoint
 
     upload = prepare_upload(checkpoint, repo_id)
     typer.echo(upload.describe())
+    if show_card:
+        typer.echo("\n" + upload.model_card())
     if not dry_run:
         typer.echo(push_checkpoint(upload, repo_id, private=private, branch=branch, commit_message=message,
                                    token=token))
@@ -355,9 +417,12 @@ def finetune(
     """Finetune an NHA hybrid: attention transfer, then LM (+ distillation); export a merged checkpoint."""
     import json
 
+    from .finetune.recipe import load_recipe
+
+    checked = load_recipe(recipe, set_ or [])  # before torch is imported
     from .finetune import finetune as run_finetune
 
-    result = run_finetune(recipe, set_ or [], resume=resume, dry_run=dry_run, overwrite=overwrite)
+    result = run_finetune(checked, resume=resume, dry_run=dry_run, overwrite=overwrite)
     if dry_run:
         typer.echo(json.dumps(result, indent=2, default=str))
 

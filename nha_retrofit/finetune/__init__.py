@@ -2,6 +2,15 @@
 self-distillation; accelerate for devices and processes, peft for LoRA, resumable, exporting a merged checkpoint."""
 
 from .recipe import Recipe, load_recipe
-from .trainer import finetune
 
 __all__ = ["Recipe", "finetune", "load_recipe"]
+
+
+def __getattr__(name):
+    """`finetune` is imported on first use: a recipe is checked without importing torch."""
+    if name == "finetune":
+        from .trainer import finetune
+
+        globals()["finetune"] = finetune
+        return finetune
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
