@@ -230,7 +230,12 @@ class Run:
         if data.train_tokens is not None:
             plan["epochs"] = round(plan["total_tokens"] / data.train_tokens, 3)
         plan["memory_per_gpu_gib"] = self.project_memory(skeleton, processes, plan["sharding"])
-        self._check_output(self.log)
+        try:
+            self._check_output(self.log)
+        except NHARetrofitError as refusal:
+            if self.resume:
+                raise
+            plan["output_dir"] = str(refusal)  # a dry run writes nothing: it says what the real run will need
         measured = measured_peak_gib(self.out)
         if measured is not None:
             plan["measured_peak_gib"] = measured

@@ -165,3 +165,14 @@ def test_dry_run_through_the_cli(tiny_world, tmp_path):
     result = CliRunner().invoke(app, ["finetune", str(path), "--dry-run", "--set", "train.lr=fast"])
     assert result.exit_code == 1
     assert "error: recipe key train.lr: expected a number" in result.output
+
+
+def test_dry_run_in_a_folder_that_holds_a_run_needs_no_overwrite(tiny_world, tmp_path):
+    """A dry run writes nothing: it notes what the real run will need instead of refusing."""
+    model, data, _ = tiny_world
+    path = save_recipe(tiny_recipe(model, data, tmp_path / "run"), tmp_path / "r.yaml")
+    (tmp_path / "run" / "checkpoints" / "step-00000001").mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    plan = finetune(path, dry_run=True, log=lambda *_: None)
+    assert "already holds a run; pass --resume to continue it or --overwrite" in plan["output_dir"]
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
