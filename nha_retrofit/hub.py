@@ -41,6 +41,12 @@ class Upload:
         lines += [f"  skipped: {name}" for name in self.skipped]
         return "\n".join(lines)
 
+    def model_card(self) -> str:
+        """The README.md the push sends: the one written for the Hub, or the folder's own."""
+        if "README.md" in self.written:
+            return self.written["README.md"].decode()
+        return (self.folder / "README.md").read_text()
+
 
 def checkpoint_files(folder: Path) -> list[str]:
     """The files an NHA checkpoint consists of, after checking they are all there, whole and unaltered."""

@@ -124,6 +124,14 @@ def test_cli_dry_run_lists_the_upload(family):
     assert code == 0 and "  config.json" in output and "  README.md (written for the Hub)" in output
 
 
+def test_cli_dry_run_shows_the_model_card_it_would_send(family):
+    _, _, _, out = family
+    code, output = cli("push", out, "me/tiny-nha", "--dry-run", "--show-card")
+    assert code == 0, output
+    card = prepare_upload(out, "me/tiny-nha").written["README.md"].decode().strip()
+    assert output.endswith(card) and "trust_remote_code=True" in card
+
+
 def break_folder(folder, how):
     if how == "missing shard":
         index = json.loads((folder / "model.safetensors.index.json").read_text())

@@ -79,13 +79,14 @@ class Scorer:
 @torch.no_grad()
 def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("python-stdlib",),
                        check_texts=("python-docs",), max_tokens: int = 2048, chunk_len: int = 512, device: str = "auto",
-                       progress: bool = False) -> dict:
+                       revision: str | None = None, token: str | None = None, progress: bool = False) -> dict:
     """Rank layers by the KL divergence their conversion alone causes; keep the `spec.full_layer_count` highest full
     (the other fields of `spec` set the NHA layers). Returns per-layer scores, the chosen ids, and the chosen and
-    evenly spaced plans scored whole."""
+    evenly spaced plans scored whole. A Hub id missing from the Hugging Face cache is downloaded at `revision`, with
+    `token`."""
     if spec.full_layer_ids is not None or spec.windows is not None:
         raise NHARetrofitError("the search chooses the full layers: give it their count, not their ids or windows")
-    source = resolve_model(model)
+    source = resolve_model(model, revision=revision, token=token)
     num_layers = read_source_config_dict(source)["num_hidden_layers"]
     build_plan(num_layers, spec, ranking=list(range(num_layers)))  # the plan's errors before any weight is read
     full_layers, window = spec.full_layer_count(num_layers), spec.window

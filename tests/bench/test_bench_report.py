@@ -88,6 +88,15 @@ def test_cli_bench_random_weights_writes_json_markdown_and_charts(config_file, t
     assert (out / "bench.md").read_text().strip() == format_report(report) and "| 40 | 2 |" in output
 
 
+def test_cli_bench_fewer_layers_than_the_default_full_layers(config_file):
+    """`--layers 2` on a model whose default plan keeps 4 layers full: the default follows the layer count."""
+    code, output = cli("bench", "--random-weights", config_file, "--layers", "2", "--contexts", "24",
+                       "--decode-steps", "1", "--rounds", "1", "--json", config_file.parent / "bench.json")
+    assert code == 0, output
+    report = json.loads((config_file.parent / "bench.json").read_text())
+    assert report["model"]["layers"] == 2 and report["windows"] == [None, None]
+
+
 def test_an_allocation_that_does_not_fit_is_the_limit_and_the_run_goes_on(monkeypatch):
     """A static cache of 3 or more sequences, or of more than 40 positions, 'runs out of memory' (the memory
     accounting's caches on the meta device allocate nothing): those sizes are recorded as not fitting, the largest
@@ -127,6 +136,9 @@ def test_an_allocation_that_does_not_fit_is_the_limit_and_the_run_goes_on(monkey
     (["CHECKPOINT", "--random-weights", "CONFIG"], "give a checkpoint folder or --random-weights CONFIG"),
     ([], "give a checkpoint folder or --random-weights CONFIG"),
     (["--random-weights", "GPT2"], "unsupported architecture gpt2"),
+    (["CHECKPOINT", "--window", "8"], "--window applies only with --random-weights"),
+    (["CHECKPOINT", "--full-layers", "2"], "--full-layers applies only with --random-weights"),
+    (["--random-weights", "CONFIG", "--contexts", "24,abc"], "invalid value for --contexts: '24,abc': expected"),
 ])
 def test_cli_bench_bad_input_is_one_line(config_file, tmp_path, args, message):
     gpt2 = tmp_path / "gpt2"
