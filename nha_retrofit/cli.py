@@ -4,6 +4,7 @@ User mistakes (NHARetrofitError) print one line and exit 1; anything else is a b
 """
 
 import functools
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -422,7 +423,14 @@ def finetune(
     checked = load_recipe(recipe, set_ or [])  # before torch is imported
     from .finetune import finetune as run_finetune
 
-    result = run_finetune(checked, resume=resume, dry_run=dry_run, overwrite=overwrite)
+    try:
+        result = run_finetune(checked, resume=resume, dry_run=dry_run, overwrite=overwrite)
+    except KeyboardInterrupt:
+        from .finetune.trainer import interrupted_note
+
+        command = " ".join(["nha-retrofit finetune", str(recipe), *(f"--set {shlex.quote(s)}" for s in set_ or [])])
+        typer.secho(interrupted_note(checked, command), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
     if dry_run:
         typer.echo(json.dumps(result, indent=2, default=str))
 

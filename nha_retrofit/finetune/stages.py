@@ -212,16 +212,20 @@ def lm_loss(model, unwrapped, input_ids, *, ce_weight=1.0, distill_weight=0.0, t
 
 
 @torch.no_grad()
-def evaluate_blocks(model, blocks: torch.Tensor, batch_size: int, teacher: bool = False, kl: bool = True) -> dict:
+def evaluate_blocks(model, blocks: torch.Tensor, batch_size: int, teacher: bool = False, kl: bool = True,
+                    progress: bool = False) -> dict:
     """Mean next-token cross-entropy over held-out blocks, of the model or (`teacher`) of the original; for the
-    model also the KL from the original (`kl`)."""
+    model also the KL from the original (`kl`). `progress`: a bar per batch."""
+    from tqdm.auto import tqdm
+
     was_training = model.training
     model.eval()
     device = next(p for p in model.parameters()).device
     kl = kl and not teacher
     ce_sum, kl_sum, count = 0.0, 0.0, 0
     try:
-        for batch in blocks.split(batch_size):
+        name = "held-out blocks, original" if teacher else "held-out blocks"
+        for batch in tqdm(blocks.split(batch_size), desc=name, unit="batch", disable=not progress, leave=False):
             batch = batch.to(device)
             reference = teacher_states(model, batch) if kl else None
             with teacher_mode(model) if teacher else contextlib.nullcontext():

@@ -386,6 +386,8 @@ class Run:
     def train(self) -> RunState:
         run = self.setup()
         if not self.resume:
+            if self.acc.is_main_process:
+                self.log("eval: before training, the NHA model and the original")
             run.summary["before"] = self._evaluate(self.data, heldout=self.recipe.eval.before, original=True)
         if self.recipe.train.tensorboard:
             self.acc.init_trackers("finetune")
@@ -412,21 +414,21 @@ class Run:
         from ..eval.perplexity import perplexity
         from ..eval.texts import load_heldout_tokens
 
-        e, result = self.recipe.eval, {}
+        e, result, shown = self.recipe.eval, {}, self.acc.is_main_process
         with self.acc.autocast():
             if data.eval_blocks.shape[0]:
                 result.update(stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size,
-                                                     kl=self.teacher_exact))
+                                                     kl=self.teacher_exact, progress=shown))
                 result["eval_ppl"] = math.exp(result["eval_ce"])
                 if original:
                     teacher = stages.evaluate_blocks(self.unwrapped, data.eval_blocks, self.recipe.train.batch_size,
-                                                     teacher=True)
+                                                     teacher=True, progress=shown)
                     result["original_eval_ppl"] = math.exp(teacher["eval_ce"])
             if heldout and e.heldout_texts:
                 tokenizer = self._tokenizer()
                 for name in e.heldout_texts:
                     ids = load_heldout_tokens(tokenizer, name, e.heldout_max_tokens)
-                    kwargs = dict(chunk_len=e.heldout_chunk_len, max_tokens=e.heldout_max_tokens)
+                    kwargs = dict(chunk_len=e.heldout_chunk_len, max_tokens=e.heldout_max_tokens, progress=shown)
                     result[f"{name}_ppl"] = perplexity(self.unwrapped, ids, **kwargs)
                     if original:
                         with stages.teacher_mode(self.unwrapped):
@@ -662,6 +664,15 @@ def quality_table(summary: dict) -> str:
         if original and first and last:
             lines.append(f"| {name} | {original:.2f} | {first:.2f} | {last:.2f} | {last / original:.3f} |")
     return "\n".join(lines)
+
+
+def interrupted_note(recipe: Recipe, command: str) -> str:
+    """What an interrupted run leaves: its last checkpoint and the command that continues from it."""
+    checkpoints = list_checkpoints(Path(recipe.train.output_dir) / CHECKPOINTS)
+    if not checkpoints:
+        return (f"interrupted before the first checkpoint (one every {recipe.train.checkpoint_every} steps): "
+                f"nothing to resume, `{command} --overwrite` starts again")
+    return f"interrupted: the last checkpoint is {checkpoints[-1]}; continue with `{command} --resume`"
 
 
 def finetune(recipe, overrides=(), *, resume=False, dry_run=False, overwrite=False, log=print):

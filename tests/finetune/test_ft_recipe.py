@@ -176,3 +176,29 @@ def test_dry_run_in_a_folder_that_holds_a_run_needs_no_overwrite(tiny_world, tmp
     plan = finetune(path, dry_run=True, log=lambda *_: None)
     assert "already holds a run; pass --resume to continue it or --overwrite" in plan["output_dir"]
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tiny_world, tmp_path, monkeypatch, saved):
+    from typer.testing import CliRunner
+
+    from nha_retrofit.cli import app
+    from nha_retrofit.finetune.trainer import Run
+
+    def interrupted(self):
+        if saved:
+            (self.checkpoints / "step-00000004").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Run, "train", interrupted)
+    model, data, _ = tiny_world
+    path = save_recipe(tiny_recipe(model, data, tmp_path / "run"), tmp_path / "r.yaml")
+    result = CliRunner().invoke(app, ["finetune", str(path), "--set", "train.lr=0.001"])
+    assert result.exit_code == 130
+    command = f"nha-retrofit finetune {path} --set train.lr=0.001"
+    if saved:
+        expected = (f"interrupted: the last checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step-00000004'}; "
+                    f"continue with `{command} --resume`")
+    else:
+        expected = f"interrupted before the first checkpoint (one every 2 steps): nothing to resume, `{command} --overwrite`"
+    assert expected in result.output and "Traceback" not in result.output
