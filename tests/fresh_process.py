@@ -1,6 +1,7 @@
 """A converted checkpoint loaded in a fresh Python process where `import nha_retrofit` fails: only torch,
 transformers and the files shipped in the checkpoint (its remote code) are available."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -28,8 +29,29 @@ def run_without_nha_retrofit(folder: Path, ids: torch.Tensor, logits: torch.Tens
         generated = model.generate(saved["ids"][:, :{prompt_tokens}], max_new_tokens={new_tokens}, do_sample=False{pad})
         print(type(model).__name__, diff, generated.shape[1])
     """)
-    env = {**os.environ, "HF_MODULES_CACHE": str(workdir / "modules")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_script(script, workdir)
+    assert "You are using a model of type" not in result.stderr, result.stderr[-2000:]
     name, diff, length = result.stdout.split()[-3:]
     return name, float(diff), int(length)
+
+
+def tokenize_without_nha_retrofit(folder: Path, text: str, workdir: Path) -> tuple[list[int], str]:
+    """`AutoTokenizer.from_pretrained(folder)(text)`, as a user without nha_retrofit types it (no arguments, stdin
+    closed so that a prompt cannot wait): (the token ids, everything the process printed besides them)."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["nha_retrofit"] = None
+        from transformers import AutoTokenizer
+        print("ids:", AutoTokenizer.from_pretrained({str(folder)!r})({text!r}).input_ids)
+    """)
+    result = run_script(script, workdir)
+    printed, _, ids = result.stdout.rpartition("ids: ")
+    return ast.literal_eval(ids), printed + result.stderr
+
+
+def run_script(script: str, workdir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_MODULES_CACHE": str(workdir / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result

@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 from ..errors import NHARetrofitError
+from ..modeling.load import nha_family
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 
 REQUIRED_FIELDS = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+
 
 
 def read_source_config_dict(source: Path) -> dict:
@@ -20,7 +22,7 @@ def read_source_config_dict(source: Path) -> dict:
     except (OSError, ValueError) as error:
         raise NHARetrofitError(f"cannot read {Path(source) / 'config.json'}: {error}") from None
     model_type = config.get("model_type", "")
-    if model_type.startswith("nha_"):
+    if nha_family(config) is not None:
         raise NHARetrofitError(f"{source} is already an NHA checkpoint ({model_type}); change its windows instead")
     if model_type not in NHA_MODEL_CLASSES:
         supported = ", ".join(f"{t} ({NHA_MODEL_CLASSES[t].__mro__[2].__name__})" for t in sorted(NHA_MODEL_CLASSES))

@@ -31,17 +31,19 @@ def resolve_source(spec: ModelSection) -> ModelSource:
     from ..conversion.converter import CONVERSION_RECORD
     from ..conversion.resolve import resolve_model
     from ..conversion.source import read_source_config_dict
+    from ..modeling.load import nha_family
     from ..plan import PlanSpec, PlanSpecError, build_plan
 
     folder = resolve_model(spec.path, revision=spec.revision, weights=False)
     try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as error:
         raise NHARetrofitError(f"cannot read {folder / 'config.json'}: {error}") from None
-    if model_type.startswith("nha_"):
+    if nha_family(config) is not None:
         if spec.convert is not None:
             raise NHARetrofitError(
-                f"recipe key model.convert: {spec.path} is already converted ({model_type}); remove model.convert"
+                f"recipe key model.convert: {spec.path} is already converted ({config['model_type']}); remove "
+                f"model.convert"
             )
         record_path = folder / CONVERSION_RECORD
         record = json.loads(record_path.read_text()) if record_path.is_file() else None
@@ -66,14 +68,14 @@ def resolve_source(spec: ModelSection) -> ModelSource:
 def _model_class_and_config(source: ModelSource):
     from ..conversion.converter import nha_config_for
     from ..conversion.source import read_source_config_dict
+    from ..modeling.load import nha_family
     from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 
     if source.converted:
-        model_type = json.loads((source.folder / "config.json").read_text())["model_type"]
-        classes = {mc.config_class.model_type: mc for mc in NHA_MODEL_CLASSES.values()}
-        if model_type not in classes:
-            raise NHARetrofitError(f"{source.folder}: unsupported NHA family {model_type}")
-        model_class = classes[model_type]
+        family = nha_family(json.loads((source.folder / "config.json").read_text()))
+        if family not in NHA_MODEL_CLASSES:
+            raise NHARetrofitError(f"{source.folder}: unsupported NHA family {family}")
+        model_class = NHA_MODEL_CLASSES[family]
         return model_class, model_class.config_class.from_pretrained(source.folder)
     return nha_config_for(read_source_config_dict(source.folder), source.plan)
 

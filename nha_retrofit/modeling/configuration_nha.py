@@ -5,6 +5,10 @@ layer), `nha_num_slots`, `nha_gate_normalizer` and `nha_slot_bias_init`. A conve
 plan (`nha_retrofit.plan.PlanSpec` owns the conversion defaults); `NHA_DEFAULTS` only fill in a config that lacks a
 field, so they are part of the checkpoint format and do not follow the conversion defaults. This file ships inside
 every checkpoint as remote code and imports nothing from nha_retrofit.
+
+The `model_type` stays the family's own (llama, qwen2, qwen3_moe): code that reads config.json without running
+remote code (AutoTokenizer loads the config before the tokenizer) then finds an architecture transformers knows, and
+asks nothing; `auto_map` names these classes.
 """
 
 from dataclasses import dataclass
@@ -49,16 +53,14 @@ class NHAConfigMixin:
 
 @strict
 class NHALlamaConfig(NHAConfigMixin, LlamaConfig):
-    model_type = "nha_llama"
+    pass
 
 
 @strict
 class NHAQwen2Config(NHAConfigMixin, Qwen2Config):
     """Qwen2/2.5. Its own sliding-window fields are switched off: the NHA plan decides every layer's window."""
 
-    model_type = "nha_qwen2"
-
 
 @strict
 class NHAQwen3MoeConfig(NHAConfigMixin, Qwen3MoeConfig):
-    model_type = "nha_qwen3_moe"
+    pass

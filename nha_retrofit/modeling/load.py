@@ -13,16 +13,25 @@ from .modeling_nha import NHA_MODEL_CLASSES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def nha_family(config: dict) -> str | None:
+    """The original family (a key of NHA_MODEL_CLASSES) of an NHA checkpoint's config dict; None for any other
+    config. An NHA config keeps its family's model_type and adds `nha_windows`; earlier versions wrote nha_<family>."""
+    model_type = config.get("model_type", "")
+    if model_type.startswith("nha_"):
+        return model_type.removeprefix("nha_")
+    return model_type if "nha_windows" in config else None
+
+
 def nha_checkpoint_class(folder: Path):
     """The nha_retrofit model class of the NHA checkpoint at `folder` (a clear error for anything else)."""
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise NHARetrofitError(f"{folder} is not a checkpoint folder (no config.json)")
-    model_type = json.loads(config_path.read_text()).get("model_type", "")
-    families = {model_class.config_class.model_type: model_class for model_class in NHA_MODEL_CLASSES.values()}
-    if model_type not in families:
-        raise NHARetrofitError(f"{folder} is not an NHA checkpoint (model_type {model_type!r})")
-    return families[model_type]
+    config = json.loads(config_path.read_text())
+    family = nha_family(config)
+    if family not in NHA_MODEL_CLASSES:
+        raise NHARetrofitError(f"{folder} is not an NHA checkpoint (model_type {config.get('model_type', '')!r})")
+    return NHA_MODEL_CLASSES[family]
 
 
 def load_nha_checkpoint(folder: Path, dtype=torch.float32):

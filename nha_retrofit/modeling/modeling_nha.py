@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
@@ -308,15 +307,3 @@ NHA_MODEL_CLASSES = {
     "qwen2": NHAQwen2ForCausalLM,
     "qwen3_moe": NHAQwen3MoeForCausalLM,
 }
-
-
-def _share_checkpoint_conversions():
-    """transformers rewrites some checkpoints while loading (Qwen3-MoE experts are stored per expert and fused in
-    memory) by model_type; NHA model types load and save the original's files, so they get the same rewrites."""
-    for original_type, model_class in NHA_MODEL_CLASSES.items():
-        mapping = get_checkpoint_conversion_mapping(original_type)
-        if mapping is not None:
-            register_checkpoint_conversion_mapping(model_class.config_class.model_type, mapping, overwrite=True)
-
-
-_share_checkpoint_conversions()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from fresh_process import run_without_nha_retrofit
+from fresh_process import run_without_nha_retrofit, tokenize_without_nha_retrofit
 from nha_retrofit.conversion import convert
 from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.plan import PlanSpec
@@ -47,6 +47,16 @@ def test_real_tokenizer_is_copied(family):
     name, _, _, out = family
     text = "Native Hybrid Attention: slots + a sliding window, one softmax."
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == FAMILY_TOKENIZERS[name]()(text).input_ids
+
+
+def test_tokenizer_loads_without_nha_retrofit_with_no_prompt_and_no_warning(family, tmp_path):
+    """The README's `AutoTokenizer.from_pretrained(DIR)` where only torch and transformers are installed: it reads
+    config.json first, which asked to run the remote code and warned about an unknown model type."""
+    name, _, _, out = family
+    text = "Native Hybrid Attention: slots + a sliding window, one softmax."
+    ids, printed = tokenize_without_nha_retrofit(out, text, tmp_path)
+    assert ids == FAMILY_TOKENIZERS[name]()(text).input_ids
+    assert printed.strip() == "", printed
 
 
 def test_plan_replaces_the_original_window_settings(family):

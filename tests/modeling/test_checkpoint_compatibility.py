@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, dynamic_module_utils
+from transformers import dynamic_module_utils
 
-import nha_retrofit.modeling  # noqa: F401  (registers the NHA classes with the Auto classes)
+from nha_retrofit.modeling.load import nha_checkpoint_class
 from nha_retrofit.modeling.modeling_nha import NHALlamaForCausalLM
 from nha_retrofit.modeling.remote_code import checkpoint_remote_code
 
@@ -20,8 +20,8 @@ EXPECTED = FIXTURE.with_name("nha_checkpoint_v0_expected.safetensors")
 def test_an_earlier_checkpoint_gives_its_logits_through_the_package(tmp_path, monkeypatch):
     """The package's classes give bit for bit the logits of the checkpoint's own (earlier) remote code in this
     process, and the logits recorded when it was converted (to fp32 summation order: the thread count may differ)."""
-    model = AutoModelForCausalLM.from_pretrained(FIXTURE).eval()
-    assert type(model) is NHALlamaForCausalLM
+    assert nha_checkpoint_class(FIXTURE) is NHALlamaForCausalLM  # its model_type is the earlier nha_llama
+    model = NHALlamaForCausalLM.from_pretrained(FIXTURE).eval()
     monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
     earlier_class = dynamic_module_utils.get_class_from_dynamic_module("modeling_nha.NHALlamaForCausalLM", FIXTURE)
     earlier = earlier_class.from_pretrained(FIXTURE).eval()
