@@ -97,6 +97,15 @@ def memory_lines(report: dict) -> list[str]:
     return lines
 
 
+# Measured on the CPU VM (2 cores, fp32, SmolLM2-135M with the default plan; docs/benchmarks.md)
+CPU_NOTE = (
+    "On the CPU, NHA runs in plain PyTorch (its Triton kernels need CUDA) and is slower than the original's fused "
+    "attention: 1.2-1.8x its prefill time and 1.13x its decode time from 256 to 2K tokens on a 2-core CPU. What it "
+    "saves on the CPU is memory: each NHA layer's cache stays the same size at any context. Its speed pays off on "
+    "CUDA."
+)
+
+
 def format_report(report: dict) -> str:
     """The report as markdown: a header naming the model, machine and decode paths, then one table per measurement."""
     model = report.get("model", {})
@@ -126,4 +135,6 @@ def format_report(report: dict) -> str:
         lines += [f"| {r['model']} | {r['longest_context']} | "
                   + (f"memory ({r['first_failing']} does not fit)" if r["first_failing"] else
                      "the model's positions (it fits)") + " |" for r in report["longest_context"]]
+    if machine["device"] == "cpu":
+        lines += ["", CPU_NOTE]
     return "\n".join(lines)

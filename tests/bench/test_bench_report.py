@@ -13,7 +13,7 @@ from cli_helpers import cli
 from nha_retrofit.bench.engine import run_benchmark
 from nha_retrofit.bench.options import decode_room
 from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
-from nha_retrofit.bench.report import format_report
+from nha_retrofit.bench.report import CPU_NOTE, format_report
 from nha_retrofit.modeling import nha_cache
 from nha_retrofit.modeling.decoding import original_sharing_weights
 from nha_retrofit.plan import PlanSpec, build_plan
@@ -95,6 +95,13 @@ def test_cli_bench_fewer_layers_than_the_default_full_layers(config_file):
     assert code == 0, output
     report = json.loads((config_file.parent / "bench.json").read_text())
     assert report["model"]["layers"] == 2 and report["windows"] == [None, None]
+
+
+def test_a_cpu_report_says_where_nha_pays_off():
+    report = run_benchmark(tiny_model(), contexts=[24], decode_steps=1, rounds=1)
+    assert report["machine"]["device"] == "cpu" and format_report(report).endswith(CPU_NOTE)
+    on_gpu = {**report, "machine": {**report["machine"], "device": "NVIDIA H200"}}
+    assert CPU_NOTE not in format_report(on_gpu)
 
 
 def test_an_allocation_that_does_not_fit_is_the_limit_and_the_run_goes_on(monkeypatch):
