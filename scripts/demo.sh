@@ -15,7 +15,7 @@ bash scripts/setup.sh
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 folder = "outputs/smollm2-demo/model"
-tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(folder)
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
 prompt = "The three most important rules of writing readable Python code are"
 ids = tokenizer(prompt, return_tensors="pt")

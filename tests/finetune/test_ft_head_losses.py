@@ -216,3 +216,20 @@ def test_frozen_matrices_kept_in_bf16_compute_what_fp32_weights_compute(tmp_path
         results.append((logits, grads))
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_held_out_evaluation_shows_progress_and_gives_the_same_numbers(capsys):
+    """The evaluation before training ran for minutes on the CPU without a line: it now shows a bar per model."""
+    from nha_retrofit.finetune.stages import evaluate_blocks
+    from tiny_models import TINY_LLAMA, tiny_nha_pair
+
+    _, nha = tiny_nha_pair([3, None, 0, 2])
+    blocks = torch.randint(0, TINY_LLAMA["vocab_size"], (5, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        quiet = evaluate_blocks(nha, blocks, 2)
+        assert capsys.readouterr().err == ""
+        shown = evaluate_blocks(nha, blocks, 2, progress=True)
+        original = evaluate_blocks(nha, blocks, 2, teacher=True, progress=True)
+    assert shown == quiet and quiet["eval_kl"] > 0 and original["eval_ce"] != quiet["eval_ce"]
+    bars = capsys.readouterr().err
+    assert "held-out blocks:   0%| " in bars and "held-out blocks, original:   0%| " in bars and "0/3" in bars
