@@ -105,3 +105,20 @@ def test_cli_bad_input_is_one_line(family, args, message):
     _, _, source, _ = family
     code, output = cli("search", source, "--device", "cpu", "--max-tokens", TOKENS, *args)
     assert code == 1 and output.startswith("error: ") and message in output and len(output.splitlines()) == 1
+
+
+def test_cli_search_downloads_a_hub_id_at_its_revision_with_the_token(monkeypatch):
+    """`search` takes Hub ids, so it takes `--revision` and `--token` as `convert` and `plan` do."""
+    import nha_retrofit.eval.layer_search as layer_search
+    from nha_retrofit.errors import NHARetrofitError
+
+    asked = {}
+
+    def resolve_model(model, **options):
+        asked.update(model=model, **options)
+        raise NHARetrofitError("not on this machine")
+
+    monkeypatch.setattr(layer_search, "resolve_model", resolve_model)
+    code, output = cli("search", "org/model", "--revision", "v2", "--token", "hf_secret")
+    assert (code, output) == (1, "error: not on this machine")
+    assert asked == {"model": "org/model", "revision": "v2", "token": "hf_secret"}
