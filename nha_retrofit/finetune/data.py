@@ -113,13 +113,17 @@ def read_documents(files: list[Path], text_field: str) -> list[str]:
     return [d for d in documents if d.strip()]
 
 
-def tokenize_documents(tokenizer, documents, eos_id: int, batch: int = 64):
-    """Token ids of each document followed by EOS (the document separator)."""
-    for start in range(0, len(documents), batch):
-        chunk = documents[start : start + batch]
-        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
-            if ids:
-                yield list(ids) + [eos_id]
+def tokenize_documents(tokenizer, documents, eos_id: int, batch: int = 64, progress: bool = False):
+    """Token ids of each document followed by EOS (the document separator); `progress`: a bar per document batch."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(documents), desc="tokenizing", unit="doc", disable=not progress, leave=False) as bar:
+        for start in range(0, len(documents), batch):
+            chunk = documents[start : start + batch]
+            for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+                if ids:
+                    yield list(ids) + [eos_id]
+            bar.update(len(chunk))
 
 
 def eos_token_id(tokenizer) -> int:
@@ -133,7 +137,7 @@ class LocalBlocks:
 
     streamed = False
 
-    def __init__(self, spec: DataSection, tokenizer):
+    def __init__(self, spec: DataSection, tokenizer, progress: bool = False):
         self.seq_len = spec.seq_len
         self.seed = spec.seed
         self.files = resolve_files(spec)
@@ -142,7 +146,8 @@ class LocalBlocks:
             raise NHARetrofitError(f"the dataset is empty: {len(self.files)} file(s) hold no text")
         order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(spec.seed)).tolist()
         eos = eos_token_id(tokenizer)
-        stream = [t for ids in tokenize_documents(tokenizer, [documents[i] for i in order], eos) for t in ids]
+        documents = [documents[i] for i in order]
+        stream = [t for ids in tokenize_documents(tokenizer, documents, eos, progress=progress) for t in ids]
         self.documents = len(documents)
         self.total_tokens = len(stream)
         held = spec.eval_blocks * spec.seq_len
@@ -263,9 +268,11 @@ class StreamedBlocks:
         self._iterator = None
 
 
-def load_blocks(spec: DataSection, tokenizer):
+def load_blocks(spec: DataSection, tokenizer, progress: bool = False):
+    """The training and held-out blocks; `progress`: a bar while local files are tokenized (streamed data is
+    tokenized as training reads it)."""
     # a Hub id, or a local dataset folder: streamed either way
-    blocks = StreamedBlocks(spec, tokenizer) if spec.dataset else LocalBlocks(spec, tokenizer)
+    blocks = StreamedBlocks(spec, tokenizer) if spec.dataset else LocalBlocks(spec, tokenizer, progress)
     if spec.synthetic.share > 0:
         exercises = RecallExercises(tokenizer, spec.seq_len, spec.synthetic.share, spec.synthetic.records, spec.seed)
         blocks = MixedBlocks(blocks, exercises)

@@ -223,7 +223,7 @@ class Run:
         plan["sharding"] = launch_sharding()
         self._check_sharding(plan["sharding"])
         tokenizer = self._tokenizer()
-        data = load_blocks(self.recipe.data, tokenizer)
+        data = load_blocks(self.recipe.data, tokenizer, progress=state.is_main_process)
         skeleton = select_trainable(meta_model(self.source), self.recipe.train)
         trainable, total = count_parameters(skeleton)
         plan.update(trainable_parameters=trainable, total_parameters=total, data=data.describe())
@@ -277,7 +277,7 @@ class Run:
             self.log(f"plan: {json.dumps(plan)}")
         set_seed(r.train.seed)
         tokenizer = self._tokenizer()
-        data = load_blocks(r.data, tokenizer)
+        data = load_blocks(r.data, tokenizer, progress=acc.is_main_process)
         if acc.is_main_process:
             self.log(f"data: {data.describe()}")
         compute_dtype = _COMPUTE_DTYPES[precision]
