@@ -47,9 +47,10 @@ def print_version(value: bool):
         raise typer.Exit()
 
 
-# Plain click help (no rich panels): it wraps long option names and help at any width instead of cutting them at 80.
+# Plain click help (no rich panels): it wraps long option names and help instead of cutting them, at the terminal's
+# width up to 120 columns.
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0], cls=OneLineErrors,
-                  rich_markup_mode=None)
+                  rich_markup_mode=None, context_settings={"max_content_width": 120})
 
 
 @app.callback()

@@ -115,7 +115,8 @@ def test_every_verb_and_the_recipe_take_their_plan_defaults_from_plan_spec(tiny_
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    for verb, text in seen["helps"].items():
+    for verb, help_page in seen["helps"].items():
+        text = " ".join(help_page.split())  # wherever the help wraps its lines
         assert "[default: (5)]" in text and "[default: (3)]" in text and "(64)" not in text, verb
     assert "| 3 | full |" in seen["plan"] and "window 5, 3 slots, gate normalizer 2, slot bias init -1" in seen["plan"]
     assert seen["convert_code"] == 0
