@@ -97,7 +97,7 @@ def memory_lines(report: dict) -> list[str]:
     return lines
 
 
-# Measured on the CPU VM (2 cores, fp32, SmolLM2-135M with the default plan; docs/benchmarks.md)
+# Measured on the CPU VM (2 cores, fp32, SmolLM2-135M with 4 full layers, window 64, 64 slots; docs/benchmarks.md)
 CPU_NOTE = (
     "On the CPU, NHA runs in plain PyTorch (its Triton kernels need CUDA) and is slower than the original's fused "
     "attention: 1.2-1.8x its prefill time and 1.13x its decode time from 256 to 2K tokens on a 2-core CPU. What it "
