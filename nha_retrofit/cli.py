@@ -328,8 +328,6 @@ def bench(
         progress=True,
     )
     if random_weights is not None:
-        if full_layers is None and full_layer_ids is None and windows is None and layers is not None:
-            full_layers = min(PlanSpec.full_layers, layers)  # the default, on a model cut to --layers
         spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots)
     from .bench.run import benchmark_checkpoint, benchmark_random_weights
 
