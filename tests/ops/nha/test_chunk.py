@@ -18,11 +18,12 @@ from operator_cases import (DEVICE, INTERPRETED, NAMES, TOL, assert_within_toler
 pytest.importorskip("triton")
 
 from nha_retrofit.ops import nha_chunked  # noqa: E402
-from nha_retrofit.ops.nha import chunk, chunk_fwd  # noqa: E402
+from nha_retrofit.ops.nha import chunk  # noqa: E402
 from nha_retrofit.ops.nha.chunk import nha_attention_triton, nha_chunked_triton  # noqa: E402
-from nha_retrofit.ops.nha.chunk_inputs import Prepared  # noqa: E402
-from nha_retrofit.ops.nha.launch import constant  # noqa: E402
-from nha_retrofit.ops.nha.settings import HOPPER  # noqa: E402
+from nha_retrofit.ops.nha.kernels import chunk_fwd  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_inputs import Prepared  # noqa: E402
+from nha_retrofit.ops.nha.kernels.settings import HOPPER  # noqa: E402
+from nha_retrofit.ops.utils.launch import constant  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SHORT = short_segments(HOPPER)

@@ -1,5 +1,5 @@
-"""The slot states before each chunk (`ops/nha/chunk_states.py`) against the token-by-token recurrence, on CUDA or
-under the CPU interpreter (bounds-checked, buffers poisoned): the chunk update with a chained scan (short
+"""The slot states before each chunk (`ops/nha/kernels/chunk_states.py`) against the token-by-token recurrence, on
+CUDA or under the CPU interpreter (bounds-checked, buffers poisoned): the chunk update with a chained scan (short
 sequences), the two walks over segments (a training forward's whole states) and the segment-local form (a forward
 without a backward), from zero and from a carried state."""
 
@@ -11,9 +11,9 @@ from operator_cases import DEVICE, kernel_checks, kernel_settings, rel, short_se
 
 pytest.importorskip("triton")
 
-from nha_retrofit.ops.nha.chunk_inputs import Prepared  # noqa: E402
-from nha_retrofit.ops.nha.chunk_states import kv_states, local_kv_states  # noqa: E402
-from nha_retrofit.ops.nha.settings import HOPPER, state_segment  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_inputs import Prepared  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_states import kv_states, local_kv_states  # noqa: E402
+from nha_retrofit.ops.nha.kernels.settings import HOPPER, state_segment  # noqa: E402
 
 SHORT = short_segments(HOPPER)
 

@@ -1,5 +1,5 @@
-"""The chained scans over chunks (`ops/nha/chunk_scan.py`) against their plain-PyTorch definition, on CUDA or under
-the CPU interpreter (bounds-checked, buffers poisoned)."""
+"""The chained scans over chunks (`ops/nha/kernels/chunk_scan.py`) against their plain-PyTorch definition, on CUDA
+or under the CPU interpreter (bounds-checked, buffers poisoned)."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ from operator_cases import DEVICE, kernel_checks, rel
 
 pytest.importorskip("triton")
 
-from nha_retrofit.ops.nha.chunk_scan import chained_chunk_scan, naive_chunk_scan  # noqa: E402
-from nha_retrofit.ops.nha.launch import counters  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_scan import chained_chunk_scan, naive_chunk_scan  # noqa: E402
+from nha_retrofit.ops.utils.launch import counters  # noqa: E402
 
 
 @pytest.mark.parametrize("chunks", [1, 4, 7, 33])
