@@ -4,16 +4,11 @@ killed between checkpoints and resumed, the export loaded and generating, the Mo
 kernels are attributed."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+import train_large
 from ft_helpers import byte_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import train_large  # noqa: E402
 
 
 @pytest.mark.parametrize("name, category", [
