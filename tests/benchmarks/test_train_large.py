@@ -31,6 +31,7 @@ def test_stage_rates_leave_out_each_stage_warm_up():
     assert train_large.stage_rates(rows) == {"attention_transfer": 100, "lm": 50}
 
 
+@pytest.mark.slow
 def test_every_part_runs_at_tiny_shapes(tmp_path):
     for family in ("llama", "qwen3_moe"):
         byte_tokenizer().save_pretrained(tmp_path / "tokenizers" / family)

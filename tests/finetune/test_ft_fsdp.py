@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -19,6 +20,7 @@ from nha_retrofit.finetune import finetune
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path):
     """Trained projections with distillation (the teacher swaps sharded values in place), and LoRA (peft under
     FSDP2, adapters merged at export), in one launch."""

@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ft_helpers import loss_curve, save_recipe, tiny_recipe, write_corpus, write_tiny_original
 from nha_retrofit.finetune import finetune
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_match_one(tmp_path):
     model, data = write_tiny_original(tmp_path / "orig"), write_corpus(tmp_path / "data")
     single = tiny_recipe(model, data, tmp_path / "one", train={"batch_size": 2})

@@ -18,6 +18,7 @@ from nha_retrofit import PlanSpec, convert
 from nha_retrofit.finetune import finetune
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow  # DeepSpeed launches: minutes on the CPU
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,7 +12,7 @@ from nha_retrofit.ops.nha.kernels.chunk_scan import chained_chunk_scan, naive_ch
 from nha_retrofit.ops.utils.launch import counters  # noqa: E402
 
 
-@pytest.mark.parametrize("chunks", [1, 4, 7, 33])
+@pytest.mark.parametrize("chunks", [1, 4] + [pytest.param(n, marks=pytest.mark.slow) for n in (7, 33)])
 @pytest.mark.parametrize("segment", [1, 2, 5, 64])
 def test_chained_scans_match_the_sequential_scan(chunks, segment):
     """Forward from a given state (in place over the inputs, as the forward's states are stored), forward from zero

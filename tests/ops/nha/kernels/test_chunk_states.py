@@ -37,7 +37,8 @@ def recurrence(x, log_alpha, mask, window, chunk, chunks, initial):
 
 
 @pytest.mark.parametrize("settings", [HOPPER, SHORT], ids=["chunk_update_and_scan", "segment_walks"])
-@pytest.mark.parametrize("carried", [False, True], ids=["from_zero", "carried"])
+@pytest.mark.parametrize("carried", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["from_zero", "carried"])
 @pytest.mark.parametrize("training", [True, False], ids=["whole", "segment_local"])
 def test_slot_states_match_the_recurrence(settings, carried, training):
     B, T, HQ, H, D, M, window = 2, 300, 4, 2, 64, 16, 5
