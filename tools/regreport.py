@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every NHA kernel for sm_90a, without a GPU (developer tool).
 
 Compiles each kernel with Triton for a Hopper target, as the wrappers launch it (the shipped settings,
-`ops/nha/settings.py`), and runs the ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure
+`ops/nha/kernels/settings.py`), and runs the ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure
 (the H200 allows ~227 KB per block). (Triton 3.9 emits PTX 9.4 that the bundled ptxas 12.8 refuses; the .version
 line is lowered.) With --sass also each kernel's static instruction mix (nvdisasm, bundled too): its matrix products
 (HMMA, HGMMA) against the shared-memory traffic of Triton's layout conversions (STS, LDS, LDSM, BAR) and the spills
@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from asm_stats import instruction_mix, product_kinds  # noqa: E402
 
-from nha_retrofit.ops.nha import (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan,  # noqa: E402
-                                  chunk_states, fused_recurrent)
-from nha_retrofit.ops.nha.settings import HOPPER, chunk_tokens, forward_block  # noqa: E402
+from nha_retrofit.ops.nha import fused_recurrent  # noqa: E402
+from nha_retrofit.ops.nha.kernels import (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan,  # noqa: E402
+                                          chunk_states)
+from nha_retrofit.ops.nha.kernels.settings import HOPPER, chunk_tokens, forward_block  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")

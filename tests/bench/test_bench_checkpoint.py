@@ -14,7 +14,7 @@ from nha_retrofit.bench.options import decode_room
 from nha_retrofit.bench.run import benchmark_checkpoint
 from nha_retrofit.eval.texts import load_heldout_tokens
 from nha_retrofit.plan import PlanSpec, nha_state_bytes
-from tiny_models import TINY_LLAMA, tiny_llama
+from tiny_models import TINY_LLAMA, families, tiny_llama
 
 WINDOW, SLOTS = 8, 5
 
@@ -28,6 +28,7 @@ def checkpoint(tmp_path_factory):
                    log=lambda *_: None)
 
 
+@families("qwen2.5", "qwen3_moe")
 def test_context_is_held_out_text_or_random_ids(family, checkpoint):
     """With a tokenizer: the held-out Python text, repeated when the context is longer; without: random ids."""
     _, original, _, out = family

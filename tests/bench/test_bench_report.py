@@ -2,9 +2,6 @@
 as the limit, and one error line per bad input. Tiny configs on the CPU."""
 
 import json
-import runpy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +20,6 @@ TINY_CONFIG = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False,
     "use_sliding_window": False,
 }
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "inference_report.py"
 
 
 @pytest.fixture
@@ -156,13 +152,3 @@ def test_cli_bench_bad_input_is_one_line(config_file, tmp_path, args, message):
     code, output = cli("bench", *args, "-o", tmp_path / "out")
     assert code == 1 and output.startswith("error: ") and message in output and len(output.splitlines()) == 1
     assert not (tmp_path / "out").exists()
-
-
-def test_benchmark_script_quick_mode_writes_the_report(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--quick", "--out-dir", str(tmp_path)])
-    runpy.run_path(str(SCRIPT), run_name="__main__")
-    report = json.loads((tmp_path / "inference_tiny-llama_cpu.json").read_text())
-    assert {r["model"] for r in report["latency"]} == {"nha", "original, eager", "original, every window full"}
-    assert report["throughput"] and report["rounds"] >= 3
-    assert (tmp_path / "inference_tiny-llama_cpu.md").read_text().startswith("tiny-llama: NHA against the original")
-    assert "== tiny-llama:" in capsys.readouterr().out

@@ -1,6 +1,7 @@
-"""Hub ids missing from the cache are downloaded by the real huggingface_hub client from a local Hub (tests/hub_server):
-only what conversion reads, at the asked revision with the given token, into the Hugging Face cache; every failure
-is one line with nothing written; a dropped connection is resumed and a failed run is completed by the next one."""
+"""Hub ids missing from the cache are downloaded by the real huggingface_hub client from a local Hub
+(tests/support/hub_server.py): only what conversion reads, at the asked revision with the given token, into the
+Hugging Face cache; every failure is one line with nothing written; a dropped connection is resumed and a failed
+run is completed by the next one."""
 
 import hashlib
 import json

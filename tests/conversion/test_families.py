@@ -11,13 +11,14 @@ from nha_retrofit.conversion import convert
 from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.plan import PlanSpec
 from real_tokenizers import FAMILY_TOKENIZERS
-from tiny_models import tiny_family_model
+from tiny_models import families, tiny_family_model
 
 
 def sample_ids(model, length=48, batch=2, seed=0):
     return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@families("qwen2.5", "qwen3_moe")
 def test_all_full_windows_equal_the_original(family):
     name, original, _, out = family
     nha = load_nha_checkpoint(out)
@@ -29,6 +30,7 @@ def test_all_full_windows_equal_the_original(family):
     assert (hybrid - original(ids).logits).abs().max() > 1e-4
 
 
+@families("qwen2.5", "qwen3_moe")
 def test_cached_generation_equals_a_full_forward(family):
     _, original, _, out = family
     nha = load_nha_checkpoint(out)
@@ -43,6 +45,7 @@ def test_cached_generation_equals_a_full_forward(family):
     assert (torch.cat(pieces, 1) - full).abs().max() <= 1e-5
 
 
+@families("qwen3_moe")
 def test_real_tokenizer_is_copied(family):
     name, _, _, out = family
     text = "Native Hybrid Attention: slots + a sliding window, one softmax."
@@ -67,6 +70,7 @@ def test_plan_replaces_the_original_window_settings(family):
     assert set(config.get("layer_types") or ["full_attention"]) == {"full_attention"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
 def test_moe_routing_is_untouched_and_reports_router_logits(family):
     name, original, _, out = family
@@ -82,6 +86,7 @@ def test_moe_routing_is_untouched_and_reports_router_logits(family):
     assert nha.model.layers[2].self_attn.g_proj.weight.grad is not None
 
 
+@families("qwen2.5", "qwen3_moe")
 def test_fresh_process_remote_code_without_nha_retrofit(family, tmp_path):
     _, original, _, out = family
     nha = load_nha_checkpoint(out)

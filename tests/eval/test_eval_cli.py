@@ -22,6 +22,7 @@ def checkpoint(tiny_checkpoint, tmp_path):
     return shutil.copytree(tiny_checkpoint, tmp_path / "checkpoint")
 
 
+@pytest.mark.slow
 def test_every_task_kind_in_one_run(checkpoint, local_tasks, tmp_path):
     out, json_path = tmp_path / "out", tmp_path / "report.json"
     code, output = cli(

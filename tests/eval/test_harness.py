@@ -21,6 +21,7 @@ def offline(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
 
 
+@pytest.mark.slow
 def test_local_tasks_score_the_original_and_the_all_full_model_alike(tiny_checkpoint, local_tasks, offline):
     names = ["tiny_choice", "tiny_rolling"]
     manager = task_manager(names, local_tasks, BUILTIN_TASKS)

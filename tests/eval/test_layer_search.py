@@ -15,6 +15,7 @@ from nha_retrofit.eval.layer_search import search_full_layers
 from nha_retrofit.eval.perplexity import perplexity
 from nha_retrofit.eval.texts import load_heldout_tokens
 from nha_retrofit.plan import PlanSpec, build_plan
+from tiny_models import families
 
 WINDOW, SLOTS, CHUNK, TOKENS = 3, 5, 40, 130  # 3 whole chunks of 40 tokens; the last 10 are dropped
 
@@ -44,6 +45,7 @@ def independent_kl(source, windows, chunks, dtype):
     return ((reference.exp() * (reference - converted)).sum() / chunks.numel()).item(), converted
 
 
+@families("qwen2.5", "qwen3_moe")
 def test_scores_and_plans_match_independent_float64_models(searched):
     report, original, source, dtype = searched
     layers = original.config.num_hidden_layers
@@ -66,6 +68,7 @@ def test_scores_and_plans_match_independent_float64_models(searched):
     assert report["plans"]["even"]["full_layer_ids"] == [1, 4]
 
 
+@families("qwen2.5", "qwen3_moe")
 def test_a_window_covering_the_chunk_changes_nothing(family):
     _, _, source, _ = family
     report = search_full_layers(str(source), PlanSpec(select="even", full_layers=1, window=CHUNK, slots=SLOTS), max_tokens=CHUNK,
@@ -75,6 +78,7 @@ def test_a_window_covering_the_chunk_changes_nothing(family):
         assert plan["perplexity"] == pytest.approx(report["original_perplexity"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2.5"], indirect=True)
 def test_cli_prints_scores_and_a_convert_command_that_builds_the_plan(searched, tmp_path):
     report, _, source, _ = searched

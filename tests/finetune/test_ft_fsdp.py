@@ -5,31 +5,22 @@ and a merged export gathered from the shards, equal to the one-process export.""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from ft_helpers import save_recipe, tiny_recipe, write_corpus, write_tiny_original
+import fsdp_on_cpu
+from ft_helpers import free_port, loss_curve, save_recipe, tiny_recipe, write_corpus, write_tiny_original
 from nha_retrofit.finetune import finetune
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def curve(folder):
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["stage"], r["loss"]) for r in rows if "loss" in r]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path):
     """Trained projections with distillation (the teacher swaps sharded values in place), and LoRA (peft under
     FSDP2, adapters merged at export), in one launch."""
@@ -43,7 +34,7 @@ def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path)
                                    tmp_path / f"{name}.yaml"))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "recipes/accelerate/fsdp.yaml"), "--num_processes", "2", "--main_process_port",
-               str(free_port()), str(Path(__file__).with_name("fsdp_on_cpu.py")), "3", *map(str, recipes)]
+               str(free_port()), fsdp_on_cpu.__file__, "3", *map(str, recipes)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -53,7 +44,7 @@ def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path)
         one, two = tmp_path / f"{name}-one", tmp_path / f"{name}-two"
         summary = json.loads((two / "summary.json").read_text())
         assert summary["plan"]["sharding"] == "fsdp" and summary["plan"]["processes"] == 2
-        expected, sharded = curve(one), curve(two)
+        expected, sharded = loss_curve(one), loss_curve(two)
         assert [c[:2] for c in expected] == [c[:2] for c in sharded] and len(expected) == 6
         assert max(abs(a[2] - b[2]) for a, b in zip(expected, sharded)) < 1e-5, (name, expected, sharded)
         records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]

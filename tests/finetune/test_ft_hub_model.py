@@ -1,5 +1,6 @@
 """A recipe whose `model.path` is a Hub id: `model.revision` picks the version, the token comes from HF_TOKEN, and the
-model is downloaded from a local Hub (tests/hub_server) by the real huggingface_hub client when not cached."""
+model is downloaded from a local Hub (tests/support/hub_server.py) by the real huggingface_hub client when not
+cached."""
 
 import json
 

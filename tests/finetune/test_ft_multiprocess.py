@@ -6,15 +6,13 @@ import os
 import subprocess
 import sys
 
-from ft_helpers import save_recipe, tiny_recipe, write_corpus, write_tiny_original
+import pytest
+
+from ft_helpers import loss_curve, save_recipe, tiny_recipe, write_corpus, write_tiny_original
 from nha_retrofit.finetune import finetune
 
 
-def curve(folder):
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
+@pytest.mark.slow
 def test_two_cpu_processes_match_one(tmp_path):
     model, data = write_tiny_original(tmp_path / "orig"), write_corpus(tmp_path / "data")
     single = tiny_recipe(model, data, tmp_path / "one", train={"batch_size": 2})
@@ -27,7 +25,7 @@ def test_two_cpu_processes_match_one(tmp_path):
                "-m", "nha_retrofit.cli", "finetune", str(path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    one, two = curve(tmp_path / "one"), curve(tmp_path / "two")
+    one, two = ([loss for *_, loss in loss_curve(tmp_path / run)] for run in ("one", "two"))
     assert len(one) == len(two) == 6
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())

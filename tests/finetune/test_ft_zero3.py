@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from ft_helpers import save_recipe, tiny_recipe, write_corpus, write_tiny_original
+from ft_helpers import free_port, loss_curve, save_recipe, tiny_recipe, write_corpus, write_tiny_original
 from nha_retrofit import PlanSpec, convert
 from nha_retrofit.finetune import finetune
-from test_ft_fsdp import curve, free_port
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow  # DeepSpeed launches: minutes on the CPU
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -49,7 +49,7 @@ def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_pa
 
     summary = json.loads((tmp_path / "zero3" / "summary.json").read_text())
     assert summary["plan"]["sharding"] == "zero3"
-    expected, sharded = curve(tmp_path / "one"), curve(tmp_path / "zero3")
+    expected, sharded = loss_curve(tmp_path / "one"), loss_curve(tmp_path / "zero3")
     assert [c[:2] for c in expected] == [c[:2] for c in sharded] and len(expected) == 6
     assert {c[1] for c in expected} == {"attention_transfer", "lm"}
     assert max(abs(a[2] - b[2]) for a, b in zip(expected, sharded)) < 1e-5, (expected, sharded)
@@ -72,7 +72,7 @@ def test_zero3_trains_lora_on_a_bf16_checkpoint(tmp_path):
     recipe = save_recipe(tiny_recipe(model, data, tmp_path / "zero3", **sections), tmp_path / "zero3.yaml")
     launch_zero3(str(recipe))
 
-    losses = curve(tmp_path / "zero3")
+    losses = loss_curve(tmp_path / "zero3")
     assert {c[1] for c in losses} == {"attention_transfer", "lm"} and all(0 < c[2] < 20 for c in losses)
     exported = load_file(tmp_path / "zero3" / "model" / "model.safetensors")
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}

@@ -4,9 +4,8 @@ Forms of the operator, each in its own file:
 - `naive.py`: `nha_reference`, the dense definition (tests, reading);
 - `chunk_torch.py`: `nha_chunked`, plain PyTorch in chunks (training and prefill off CUDA; checkpoints ship it);
 - `recurrent_torch.py`: `nha_recurrent_step`, plain PyTorch, one token with a carried `NHAState` (decoding);
-- `chunk.py`: the Triton chunked form, training (autograd) and prefill, on `chunk_fwd.py`, `chunk_states.py`,
-  `chunk_scan.py`, `chunk_bwd_slots.py` and `chunk_bwd_window.py`;
-- `fused_recurrent.py`: the Triton decode step;
+- `chunk.py`: the Triton chunked form, training (autograd) and prefill, on the kernels in `kernels/`;
+- `fused_recurrent.py`: the Triton decode step; `decode_op.py` makes it a torch custom op, which torch.compile traces;
 - `dispatch.py`: the one place that picks Triton or PyTorch.
 """
 

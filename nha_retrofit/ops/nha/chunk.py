@@ -3,10 +3,10 @@ over the fused forward and the window and slot backward) and `nha_chunked_triton
 
 import torch
 
-from . import chunk_fwd
-from .chunk_bwd_slots import slot_backward_triton
-from .chunk_bwd_window import window_delta, window_dkv, window_dq
-from .chunk_inputs import Prepared
+from .kernels import chunk_fwd
+from .kernels.chunk_bwd_slots import slot_backward_triton
+from .kernels.chunk_bwd_window import window_delta, window_dkv, window_dq
+from .kernels.chunk_inputs import Prepared
 from .state import NHAState
 
 
@@ -66,7 +66,7 @@ class _NHAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, q_rope, k_rope, log_alpha, slot_bias, window, scale, attention_mask, training):
         prep = Prepared(q, k, v, q_rope, k_rope, log_alpha, window, attention_mask, slot_bias, training)
         o, lse, states, residual = chunk_fwd.forward(prep, scale, prep.has_slots)
-        # with slots and a window the output is exact (o and its residual: `residual.py`), so the backward's delta
+        # with slots and a window the output is exact (o and its residual: `kernels/residual.py`), so the backward's delta
         # is rowsum(dO * O), formed by the window dq kernel; else a delta pass over the window and the slot share
         exact = training and prep.has_slots and prep.W > 0
         keep = states if training and states is not None else ()

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, counters, launch, next_power_of_2
-from .products import dot_precision
-from .settings import settings_for
+from ..utils.launch import cdiv, counters, launch, next_power_of_2
+from ..utils.products import dot_precision
+from .kernels.settings import settings_for
 from .state import NHAState
 
 

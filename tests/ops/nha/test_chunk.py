@@ -18,31 +18,39 @@ from operator_cases import (DEVICE, INTERPRETED, NAMES, TOL, assert_within_toler
 pytest.importorskip("triton")
 
 from nha_retrofit.ops import nha_chunked  # noqa: E402
-from nha_retrofit.ops.nha import chunk, chunk_fwd  # noqa: E402
+from nha_retrofit.ops.nha import chunk  # noqa: E402
 from nha_retrofit.ops.nha.chunk import nha_attention_triton, nha_chunked_triton  # noqa: E402
-from nha_retrofit.ops.nha.chunk_inputs import Prepared  # noqa: E402
-from nha_retrofit.ops.nha.launch import constant  # noqa: E402
-from nha_retrofit.ops.nha.settings import HOPPER  # noqa: E402
+from nha_retrofit.ops.nha.kernels import chunk_fwd  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_inputs import Prepared  # noqa: E402
+from nha_retrofit.ops.nha.kernels.settings import HOPPER  # noqa: E402
+from nha_retrofit.ops.utils.launch import constant  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 SHORT = short_segments(HOPPER)
 
+
+def slow(*values):
+    """A case of the slow test tier (under the interpreter the default tier keeps a few small cases that launch every
+    kernel)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 # (T, HQ, H, D, M, window, dtype, batch, decay, inputs, padding side, settings)
 if INTERPRETED:
     TRAINING_CASES = [
-        (1, 4, 4, 64, 16, 0, FP32, 2, 1.0, "random", "left", HOPPER),
-        (100, 6, 2, 64, 32, 5, FP32, 2, 8.0, "random", "left", HOPPER),  # direct blocks, 3xTF32 below 64 slots
-        (130, 8, 1, 128, 64, 40, FP32, 1, 2.0, "random", "left", HOPPER),  # factored and direct blocks mixed
-        (90, 4, 1, 64, 128, 30, FP32, 1, 1.0, "random", "none", HOPPER),  # 128 slots: the two key kernels
-        (70, 1, 1, 128, 128, 64, FP32, 2, 1.0, "random", "left", HOPPER),  # half-empty row blocks, two-chunk shift
+        slow((1, 4, 4, 64, 16, 0, FP32, 2, 1.0, "random", "left", HOPPER)),
+        slow((100, 6, 2, 64, 32, 5, FP32, 2, 8.0, "random", "left", HOPPER)),  # direct blocks, 3xTF32 below 64 slots
+        slow((130, 8, 1, 128, 64, 40, FP32, 1, 2.0, "random", "left", HOPPER)),  # factored and direct blocks mixed
+        slow((90, 4, 1, 64, 128, 30, FP32, 1, 1.0, "random", "none", HOPPER)),  # 128 slots: the two key kernels
+        slow((70, 1, 1, 128, 128, 64, FP32, 2, 1.0, "random", "left", HOPPER)),  # half-empty row blocks, 2-chunk shift
         (50, 4, 2, 64, 32, 64, FP32, 2, 1.0, "random", "left", HOPPER),  # window >= T: no slots
-        (100, 4, 2, 64, 64, 0, FP32, 2, 1.0, "random", "right", HOPPER),  # no window: delta by a pass
+        slow((100, 4, 2, 64, 64, 0, FP32, 2, 1.0, "random", "right", HOPPER)),  # no window: delta by a pass
         (63, 9, 3, 64, 16, 1, BF16, 2, 1.0, "random", "left", HOPPER),
         (90, 3, 1, 64, 32, 5, BF16, 1, 8.0, "real_like", "right", HOPPER),
-        (130, 8, 2, 128, 64, 40, BF16, 1, 2.0, "real_like", "none", HOPPER),
-        (90, 6, 2, 64, 64, 5, FP16, 2, 1.0, "random", "left", HOPPER),
-        (170, 4, 2, 64, 64, 20, FP32, 2, 2.0, "random", "left", SHORT),  # the segment walks of long sequences
-        (150, 8, 2, 128, 64, 5, BF16, 1, 1.0, "real_like", "right", SHORT),
+        slow((130, 8, 2, 128, 64, 40, BF16, 1, 2.0, "real_like", "none", HOPPER)),
+        slow((90, 6, 2, 64, 64, 5, FP16, 2, 1.0, "random", "left", HOPPER)),
+        slow((170, 4, 2, 64, 64, 20, FP32, 2, 2.0, "random", "left", SHORT)),  # the segment walks of long sequences
+        slow((150, 8, 2, 128, 64, 5, BF16, 1, 1.0, "real_like", "right", SHORT)),
     ]
 else:
     TRAINING_CASES = [
@@ -73,11 +81,11 @@ else:
     ]
 
 
-def _ids(cases):
-    return [case_id(*c[:8], f"decay{c[8]:g}", c[9], c[10], "short" if c[11] is SHORT else "") for c in cases]
+def _training_id(c):
+    return case_id(*c[:8], f"decay{c[8]:g}", c[9], c[10], "short" if c[11] is SHORT else "")
 
 
-@pytest.mark.parametrize("case", TRAINING_CASES, ids=_ids(TRAINING_CASES))
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=_training_id)
 def test_forward_backward_matches_float64(case):
     T, HQ, H, D, M, window, dtype, batch, decay, kind, side, settings = case
     inputs = operator_inputs(T, HQ, H, D, M, dtype, batch, decay, kind == "real_like", seed=T + M)
@@ -95,6 +103,7 @@ if not INTERPRETED:
                       (3000, 4, 4, 128, 64, 0, BF16, 1), (40000, 8, 2, 128, 64, 64, BF16, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [HOPPER, SHORT], ids=["shipped", "short_segments"])
 @pytest.mark.parametrize("case", FORWARD_CASES, ids=[case_id(*c) for c in FORWARD_CASES])
 def test_forward_without_gradients_and_its_final_state_match_float64(case, settings):
@@ -131,7 +140,7 @@ def two_part_prefill(window, decay=1.0):
     return torch.cat([first, second], 1), state, ref, ref_state
 
 
-@pytest.mark.parametrize("window,decay", [(3, 1.0), (64, 1.0), (None, 1.0), (3, 8.0)]
+@pytest.mark.parametrize("window,decay", [slow(3, 1.0), slow(64, 1.0), (None, 1.0), slow(3, 8.0)]
                          + ([] if INTERPRETED else [(64, 8.0)]))
 def test_prefill_in_two_parts_continues_the_carried_state(window, decay):
     out, state, ref, ref_state = two_part_prefill(window, decay)
@@ -141,7 +150,7 @@ def test_prefill_in_two_parts_continues_the_carried_state(window, decay):
         assert rel(state.slot_values, ref_state.slot_values) <= TOL[BF16]
 
 
-@pytest.mark.parametrize("window", [64, None])
+@pytest.mark.parametrize("window", [slow(64), None])
 def test_prefill_state_holds_only_its_own_memory(window):
     """The prefill state is a copy of its window and final slots (batch of one: every slice of the prompt's tensors is
     contiguous), so a cache of it does not keep the prompt's keys, values, gates and states alive."""
@@ -153,6 +162,7 @@ def test_prefill_state_holds_only_its_own_memory(window):
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_int8_residual_gives_back_the_fp32_output(dtype):
     """A training forward on bf16/fp16 inputs stores o and its int8 rounding residual: together they are the fp32
@@ -171,6 +181,7 @@ def test_int8_residual_gives_back_the_fp32_output(dtype):
     assert rel(full, want) <= rel(o, want) / 20, (rel(full, want), rel(o, want))
 
 
+@pytest.mark.slow
 def test_batch_slices_equal_one_call(monkeypatch):
     """Beyond the kernels' int32 offsets a call runs in batch slices: with the limit lowered to one sequence per
     slice, training (output, every gradient) equals one call; the slot bias's bf16 gradient is summed per slice and

@@ -25,6 +25,7 @@ TAU = 8.0
 # |f| up to ~15) and tau instead of log(alpha), and a bf16 slot bias, as the model does
 STEP_CASES = [(0, 9, 3, 16, 7, True, True), (1, 4, 4, 32, 3, True, False), (5, 16, 2, 16, 9, False, True),
               (64, 9, 3, 32, 20, True, False), (70, 4, 4, 16, 2, True, True), (150, 16, 2, 16, 40, True, False)]
+QUICK_WINDOWS = (0, 5)  # the cases of the default test tier; the others are in the slow tier
 
 
 def rotated(state, start):
@@ -38,7 +39,8 @@ def rotated(state, start):
     return turned
 
 
-@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: "w{}_g{}-{}_M{}_prompt{}_{}_{}".format(
+@pytest.mark.parametrize("case", [c if c[0] in QUICK_WINDOWS else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in STEP_CASES], ids=lambda c: "w{}_g{}-{}_M{}_prompt{}_{}_{}".format(
     *c[:5], "masked" if c[5] else "nomask", "logits" if c[6] else "log_alpha"))
 def test_decode_steps_match_the_pytorch_step_in_place(case):
     """Token by token until the window ring has wrapped, from a prefilled state: every output, the slots, the window
@@ -94,6 +96,7 @@ if not INTERPRETED:
                              (2048, 32, (9, 3), torch.float32)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,slots,heads,dtype", PREFILL_DECODE_CASES,
                          ids=lambda c: str(c) if not isinstance(c, tuple) else f"{c[0]}-{c[1]}")
 def test_prefill_then_decode_steps_match_the_chunked_forms(window, slots, heads, dtype):

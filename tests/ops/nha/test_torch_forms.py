@@ -122,7 +122,7 @@ def test_chunked_continues_from_carried_state(window, split):
     assert_close(out3, whole[:, split : split + 1], 1e-10)
 
 
-@pytest.mark.parametrize("window", [0, 1, 5, 16, 64])
+@pytest.mark.parametrize("window", [0, 1, 5, 16, pytest.param(64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("prompt", [1, 9, 23])
 def test_decode_steps_update_the_state_in_place(window, prompt):
     """Prefill, then decode until the window ring has wrapped several times: every step writes into the same

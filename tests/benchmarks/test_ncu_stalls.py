@@ -1,11 +1,6 @@
 """benchmarks/ncu_stalls.py on a small hand-written Nsight Compute source page (CPU)."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-
-import ncu_stalls  # noqa: E402
+import ncu_stalls
 
 HEADER = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb",
           "stall_barrier", "stall_long_sb (Not Issued)"]

@@ -1,5 +1,6 @@
 """Small randomly initialised models for fast tests (the real SmolLM2 is used only in a few end-to-end tests)."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,3 +73,10 @@ def tiny_family_model(family: str, seed: int = 0):
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def families(*slow):
+    """Parametrize a test's `family` fixture (tests/conftest.py) over every family, those named in `slow` in the slow
+    test tier."""
+    return pytest.mark.parametrize("family", [pytest.param(name, marks=pytest.mark.slow) if name in slow else name
+                                              for name in FAMILY_CONFIGS], indirect=True)

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...utils.launch import cdiv, launch, next_power_of_2
 from .chunk_inputs import batch_strides
-from .launch import cdiv, launch, next_power_of_2
 from .residual import with_residual
 from .rows import query_rows, real, row_stats, token_strides
 

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...utils.launch import cdiv, constant, launch, next_power_of_2
+from ...utils.products import dot_f32, dot_hilo, dot_xb, product_precision
 from .chunk_states import STATE_PRECISION, kv_states, local_kv_states
 from .chunk_inputs import batch_strides
-from .launch import cdiv, constant, launch, next_power_of_2
-from .products import dot_f32, dot_hilo, dot_xb, product_precision
 from .residual import store_rounded
 from .rows import prefetch_rows, real, token_strides
 from .settings import forward_block, state_segment
@@ -112,7 +112,7 @@ def _fwd_kernel(
     input values split (`_weights_values`) and o's rounding residual stored (`residual.py`). CK (CV, DCUM, NSEG,
     KSEG; or None): SK, SV are segment-local (`chunk_states.local_kv_states`), CK and CV the states before each
     segment of KSEG chunks. PREFETCH: L2 prefetches before the slot part, 1 the window's keys and values (read after
-    it), 2 also the chunk's value and key states. SPREC: the precision of the fp32 slot products (`products.py`);
+    it), 2 also the chunk's value and key states. SPREC: the precision of the fp32 slot products (`ops/utils/products.py`);
     RPREC: of the reads of the states, q . Sk and P . Sv, and of the chunk tokens' weights (SPREC, or bf16 without a
     backward)."""
     SPLIT: tl.constexpr = ORES is not None

@@ -1,5 +1,5 @@
-"""`launch.launch`, the kernels' fast launch path. On any machine with Triton (a stand-in kernel and compiled kernel
-record the calls): which launches go through Triton's own path, and what a kept kernel's launcher receives. On a GPU:
+"""`ops/utils/launch.py`, the kernels' fast launch path. On any machine with Triton (a stand-in kernel and compiled
+kernel record the calls): which launches go through Triton's own path, and what a kept kernel's launcher receives. On a GPU:
 the same kernels on the same inputs give the same bits as Triton's own path, a warm step makes no call into it at
 all, inputs whose addresses break the 16-byte alignment Triton specializes on get a kernel of their own, and decode
 steps (whose ints change every step) reuse their kernels."""
@@ -15,9 +15,9 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 from nha_oracle import make_inputs, padding_mask  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from nha_retrofit.ops.nha import launch as fast_launch  # noqa: E402
 from nha_retrofit.ops.nha.chunk import nha_attention_triton, nha_chunked_triton  # noqa: E402
 from nha_retrofit.ops.nha.fused_recurrent import nha_recurrent_step_triton  # noqa: E402
+from nha_retrofit.ops.utils import launch as fast_launch  # noqa: E402
 from operator_cases import NAMES  # noqa: E402
 
 

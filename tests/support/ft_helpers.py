@@ -1,5 +1,8 @@
-"""Tiny Llama checkpoints with a byte-level tokenizer, and small text corpora, for finetuning tests."""
+"""Tiny Llama checkpoints with a byte-level tokenizer, small text corpora and recipes for finetuning tests; a run's
+loss curve, and a free port for the multi-process launchers."""
 
+import json
+import socket
 from pathlib import Path
 
 import yaml
@@ -57,3 +60,15 @@ def tiny_recipe(model_path: Path, data_dir: Path, out: Path, **sections) -> dict
 def save_recipe(recipe: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def loss_curve(output_dir: Path) -> list[tuple[int, str, float]]:
+    """(step, stage, loss) of every logged training step of the run written to `output_dir`."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["stage"], r["loss"]) for r in rows if "loss" in r]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,4 +1,4 @@
-"""Matrix products of fp32 operands at a chosen precision (Triton helpers shared by the NHA kernels).
+"""Matrix products of fp32 operands at a chosen precision (Triton helpers for kernels).
 
 The slot states and the decay-weighted slot weights are fp32, and the slot logits must be near fp32-exact (the
 backward's P = exp(l - L) has to match the forward's L; plain TF32 broke the log_alpha gradient).

@@ -1,5 +1,6 @@
-"""Fixtures of the evaluation tests: a tiny byte-level BPE tokenizer trained here on local text (digits one token
-each, as in SmolLM2's), a tiny converted Llama with that vocabulary, and a folder of local lm-eval tasks."""
+"""Fixtures of the evaluation and evaluation-benchmark tests (a pytest plugin of tests/conftest.py): a tiny
+byte-level BPE tokenizer trained here on local text (digits one token each, as in SmolLM2's), a tiny converted Llama
+with that vocabulary, and a folder of local lm-eval tasks."""
 
 import json
 

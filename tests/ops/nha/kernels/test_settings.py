@@ -1,4 +1,4 @@
-"""`ops/nha/settings.py`: frozen launch settings by device capability, and the shapes derived from them (plain
+"""`ops/nha/kernels/settings.py`: frozen launch settings by device capability, and the shapes derived from them (plain
 Python: no Triton or GPU needed)."""
 
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from nha_retrofit.ops.nha import settings
+from nha_retrofit.ops.nha.kernels import settings
 
 
 def test_settings_are_frozen_and_chosen_by_capability(monkeypatch):

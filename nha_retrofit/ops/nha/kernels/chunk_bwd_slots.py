@@ -40,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...utils.launch import cdiv, launch, next_power_of_2
+from ...utils.products import dot_f32, dot_xa, dot_xb, product_precision
 from .chunk_inputs import batch_strides
 from .chunk_states import chained_scan
-from .launch import cdiv, launch, next_power_of_2
-from .products import dot_f32, dot_xa, dot_xb, product_precision
 from .rows import load_rows, query_rows, real, row_lanes, row_stats, token_strides
 from .slot_weights import (block_split, block_split_cumsum, block_token_decay, carried_block_split, chunk_gates,
                            chunk_products, cumsum_row, prefix_sums, row_decay)
@@ -52,7 +52,7 @@ SLOT_PRECISION = "bf16x3"
 
 
 def slot_precision(dtype, slots):
-    """SPREC (products.py) of the slot backward's fp32 products for `dtype` inputs: "tf32x3" instead of "bf16x3"
+    """SPREC (ops/utils/products.py) of the slot backward's fp32 products for `dtype` inputs: "tf32x3" instead of "bf16x3"
     below 64 slots (Triton 3.6 miscompiled the rows kernel's 16/32-wide bf16 slot products at D = 64 with 8 query
     heads per kv head on the H200: wrong gradients or a fault)."""
     sprec = product_precision(SLOT_PRECISION, dtype)

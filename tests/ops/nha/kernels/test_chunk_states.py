@@ -1,5 +1,5 @@
-"""The slot states before each chunk (`ops/nha/chunk_states.py`) against the token-by-token recurrence, on CUDA or
-under the CPU interpreter (bounds-checked, buffers poisoned): the chunk update with a chained scan (short
+"""The slot states before each chunk (`ops/nha/kernels/chunk_states.py`) against the token-by-token recurrence, on
+CUDA or under the CPU interpreter (bounds-checked, buffers poisoned): the chunk update with a chained scan (short
 sequences), the two walks over segments (a training forward's whole states) and the segment-local form (a forward
 without a backward), from zero and from a carried state."""
 
@@ -11,9 +11,9 @@ from operator_cases import DEVICE, kernel_checks, kernel_settings, rel, short_se
 
 pytest.importorskip("triton")
 
-from nha_retrofit.ops.nha.chunk_inputs import Prepared  # noqa: E402
-from nha_retrofit.ops.nha.chunk_states import kv_states, local_kv_states  # noqa: E402
-from nha_retrofit.ops.nha.settings import HOPPER, state_segment  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_inputs import Prepared  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_states import kv_states, local_kv_states  # noqa: E402
+from nha_retrofit.ops.nha.kernels.settings import HOPPER, state_segment  # noqa: E402
 
 SHORT = short_segments(HOPPER)
 
@@ -37,7 +37,8 @@ def recurrence(x, log_alpha, mask, window, chunk, chunks, initial):
 
 
 @pytest.mark.parametrize("settings", [HOPPER, SHORT], ids=["chunk_update_and_scan", "segment_walks"])
-@pytest.mark.parametrize("carried", [False, True], ids=["from_zero", "carried"])
+@pytest.mark.parametrize("carried", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["from_zero", "carried"])
 @pytest.mark.parametrize("training", [True, False], ids=["whole", "segment_local"])
 def test_slot_states_match_the_recurrence(settings, carried, training):
     B, T, HQ, H, D, M, window = 2, 300, 4, 2, 64, 16, 5

@@ -20,6 +20,7 @@ def benchmark():
     return module
 
 
+@pytest.mark.slow
 def test_quick_run_writes_the_four_models_side_by_side(benchmark, tiny_checkpoint, tiny_finetuned_checkpoint,
                                                        local_tasks, tmp_path):
     out = tmp_path / "out"

@@ -1,5 +1,5 @@
-"""The chained scans over chunks (`ops/nha/chunk_scan.py`) against their plain-PyTorch definition, on CUDA or under
-the CPU interpreter (bounds-checked, buffers poisoned)."""
+"""The chained scans over chunks (`ops/nha/kernels/chunk_scan.py`) against their plain-PyTorch definition, on CUDA
+or under the CPU interpreter (bounds-checked, buffers poisoned)."""
 
 import pytest
 import torch
@@ -8,11 +8,11 @@ from operator_cases import DEVICE, kernel_checks, rel
 
 pytest.importorskip("triton")
 
-from nha_retrofit.ops.nha.chunk_scan import chained_chunk_scan, naive_chunk_scan  # noqa: E402
-from nha_retrofit.ops.nha.launch import counters  # noqa: E402
+from nha_retrofit.ops.nha.kernels.chunk_scan import chained_chunk_scan, naive_chunk_scan  # noqa: E402
+from nha_retrofit.ops.utils.launch import counters  # noqa: E402
 
 
-@pytest.mark.parametrize("chunks", [1, 4, 7, 33])
+@pytest.mark.parametrize("chunks", [1, 4] + [pytest.param(n, marks=pytest.mark.slow) for n in (7, 33)])
 @pytest.mark.parametrize("segment", [1, 2, 5, 64])
 def test_chained_scans_match_the_sequential_scan(chunks, segment):
     """Forward from a given state (in place over the inputs, as the forward's states are stored), forward from zero

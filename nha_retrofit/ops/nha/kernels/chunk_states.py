@@ -20,14 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ...utils.launch import cdiv, launch, next_power_of_2
+from ...utils.products import dot_xb, product_precision
 from .chunk_scan import chained_chunk_scan
-from .launch import cdiv, launch, next_power_of_2
-from .products import dot_xb, product_precision
 from .rows import real
 from .settings import state_segment
 from .slot_weights import chunk_cumsum
 
-# the fp32 products of the state updates: three bf16 MMAs on hi/lo splits (products.py)
+# the fp32 products of the state updates: three bf16 MMAs on hi/lo splits (ops/utils/products.py)
 STATE_PRECISION = "bf16x3"
 
 

@@ -71,7 +71,7 @@ class KernelSettings:
 
 HOPPER = KernelSettings()  # measured on the H200 (sm_90)
 # Untimed: one pipelining stage fewer in the forward for the smaller shared memory of earlier GPUs (a launch that
-# still overflows it drops stages until it fits, `launch.py`).
+# still overflows it drops stages until it fits, `ops/utils/launch.py`).
 EARLIER = dataclasses.replace(HOPPER, forward=dataclasses.replace(HOPPER.forward, stages=2))
 
 

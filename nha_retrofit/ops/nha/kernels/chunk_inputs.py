@@ -5,8 +5,8 @@ import os
 
 import torch
 
-from .launch import cdiv, constant
-from .products import dot_precision
+from ...utils.launch import cdiv, constant
+from ...utils.products import dot_precision
 from .settings import chunk_tokens, settings_for
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, counters, launch, next_power_of_2
+from ...utils.launch import cdiv, counters, launch, next_power_of_2
 
 
 def naive_chunk_scan(b, dec, x0=None, reverse=False):

@@ -4,16 +4,11 @@ killed between checkpoints and resumed, the export loaded and generating, the Mo
 kernels are attributed."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+import train_large
 from ft_helpers import byte_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import train_large  # noqa: E402
 
 
 @pytest.mark.parametrize("name, category", [
@@ -36,6 +31,7 @@ def test_stage_rates_leave_out_each_stage_warm_up():
     assert train_large.stage_rates(rows) == {"attention_transfer": 100, "lm": 50}
 
 
+@pytest.mark.slow
 def test_every_part_runs_at_tiny_shapes(tmp_path):
     for family in ("llama", "qwen3_moe"):
         byte_tokenizer().save_pretrained(tmp_path / "tokenizers" / family)

@@ -11,7 +11,7 @@ weights exp(a_u - a_j) s_j, one rank-1 update per token (`block_token_decay`), s
 import triton
 import triton.language as tl
 
-from .products import dot_xa
+from ...utils.products import dot_xa
 from .rows import real
 
 # nats: a query block whose own tokens decay a slot by at most this takes them in the factored product (exp(40) is

@@ -152,7 +152,8 @@ def short_segments(settings):
 @contextlib.contextmanager
 def kernel_settings(settings):
     """The kernels launched with `settings` instead of their device's."""
-    from nha_retrofit.ops.nha import chunk_inputs, fused_recurrent
+    from nha_retrofit.ops.nha import fused_recurrent
+    from nha_retrofit.ops.nha.kernels import chunk_inputs
 
     saved = chunk_inputs.settings_for, fused_recurrent.settings_for
     chunk_inputs.settings_for = fused_recurrent.settings_for = lambda device: settings
