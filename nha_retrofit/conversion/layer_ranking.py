@@ -86,7 +86,7 @@ def rank_layers(scores: list[float]) -> list[int]:
 
 def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> list[float] | None:
     """The probe's per-layer scores of the original model in `folder` (loaded once, in its dtype, on CUDA when
-    present); None when the folder has no tokenizer that can build the probe's prompts."""
+    present); None when the folder has no weights, or no tokenizer that can build the probe's prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -96,7 +96,10 @@ def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> lis
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError):
         return None
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(target).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(target).eval()
+    except OSError:  # no weights (a config-only folder, as for a dry run of a recipe's plan)
+        return None
     try:
         return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings))
     except ProbeError:
@@ -105,13 +108,14 @@ def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> lis
 
 def plan_ranking(folder: Path, spec, num_layers: int, device: str = "auto", log=print):
     """(ranking, scores) that `build_plan` takes for `spec` on the model in `folder`: (None, None) when its full
-    layers do not depend on the weights. A model without a tokenizer cannot be probed: its full layers are then
-    placed evenly, and a log line says so."""
+    layers do not depend on the weights. A folder without weights, or without a tokenizer that can build the probe,
+    cannot be probed: its full layers are then placed evenly, and a log line says so."""
     if not spec.needs_ranking:
         return None, None
     scores = layer_retrieval_scores(folder, device, log=log)
     if scores is None:
         even = evenly_spaced(num_layers, min(spec.full_layer_count(num_layers), num_layers))
-        log("no tokenizer that can build the retrieval probe: the full layers are placed evenly (--select even)")
+        log("no weights, or no tokenizer that can build the retrieval probe: the full layers are placed evenly "
+            "(--select even)")
         return even + [layer for layer in range(num_layers) if layer not in even], None
     return rank_layers(scores), scores

@@ -3,6 +3,7 @@ windows 3 / full / 0, its remote code in the files of that version, and the logi
 package's classes and gives the same logits, and its remote code files are what `push` would send."""
 
 import inspect
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +24,10 @@ def test_an_earlier_checkpoint_gives_its_logits_through_the_package(tmp_path, mo
     assert nha_checkpoint_class(FIXTURE) is NHALlamaForCausalLM  # its model_type is the earlier nha_llama
     model = NHALlamaForCausalLM.from_pretrained(FIXTURE).eval()
     monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    # an earlier test's remote code may have imported `transformers_modules` from another cache folder
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformers_modules"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path / "modules"))
     earlier_class = dynamic_module_utils.get_class_from_dynamic_module("modeling_nha.NHALlamaForCausalLM", FIXTURE)
     earlier = earlier_class.from_pretrained(FIXTURE).eval()
     assert earlier_class is not NHALlamaForCausalLM
