@@ -70,9 +70,12 @@ def converted_checkpoint(folder, tokenizer, seed, record_update=None):
     tokenizer.save_pretrained(folder / "original")
     out = convert(folder / "original", folder / "nha",
                   PlanSpec(full_layer_ids=[0], window=WINDOW, slots=SLOTS, slot_bias_init=-1.0), log=lambda *_: None)
-    if record_update:
+    if record_update:  # as a finetuning run writes it: the record, then the checksums of the folder as it is
+        from nha_retrofit.checksums import write_checksums
+
         record_path = out / "nha_conversion.json"
         record_path.write_text(json.dumps({**json.loads(record_path.read_text()), **record_update}))
+        write_checksums(out)
     return out
 
 
