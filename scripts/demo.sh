@@ -2,7 +2,7 @@
 # The main job on the embedded default, on CPU: convert SmolLM2-135M with the default plan (the 5 of 30 layers that
 # hold its retrieval heads full, window 256, 64 slots),
 # then finetune it with recipes/smollm2_demo.yaml (attention transfer, then CE + distillation from the original on
-# Python standard-library code and Shakespeare, about 15 minutes on 2 cores), which reports held-out perplexity
+# Python standard-library code and Shakespeare, about 20 minutes on 2 cores), which reports held-out perplexity
 # (original / converted before / after, on texts excluded from training) and exports a merged self-contained
 # checkpoint; finally the exported model loads through transformers alone and generates.
 set -euo pipefail
