@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128}
+SMOLLM2_135M = {"kv_heads": 3, "head_dim": 64}  # the swept model (its layer count is in each row's plan)
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -167,7 +168,7 @@ def row_summary(row: dict) -> dict:
     return {
         "retrieval": retrieval,
         "perplexity_ratio": row["perplexity_ratio"],
-        "own": cache_costs(windows, plan["slots"], plan["layers"], 3, 64),
+        "own": cache_costs(windows, plan["slots"], plan["layers"], **SMOLLM2_135M),
         "llama3_8b": cache_costs(windows, plan["slots"], **LLAMA3_8B),
     }
 
