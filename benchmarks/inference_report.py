@@ -1,6 +1,7 @@
 """Inference at real size in one GPU run: the `nha-retrofit bench` report of Llama-3-8B, Qwen2.5-7B and
 Qwen3-30B-A3B shapes (random bf16 weights at their published configs, `bench/random_weights.py`), each converted
-with 4 full layers spread evenly and w = 64, M = 64 elsewhere, against the original at its best with the same weights
+with the default plan (one layer in six full, spread evenly since random weights hold no retrieval heads; `--plan`
+changes it, e.g. `full_layers=4,window=64`), against the original at its best with the same weights
 (every path of `nha_retrofit/bench/decoders.py`: eager on its dynamic cache, compiled on its static cache at every
 context, every window full on NHA's static-cache CUDA-graph path); 3 rounds in alternating order, medians with their
 range, every speed-up against the fastest baseline:
@@ -11,8 +12,8 @@ range, every speed-up against the fastest baseline:
   bisection), and the largest batch each cache allows by memory accounting (NHA's full layers in bf16 and in fp8);
 - with --profile, torch.profiler's tables of one NHA prefill at 32K of Llama-3-8B.
 
-Usage (GPU machine): python benchmarks/inference_report.py [--families llama3-8b,...] [--contexts ...]
-Writes benchmarks/results/inference_<family>_<gpu>.json and .md, and docs/images/inference_<family>_*.png, each family
+Usage (GPU machine): python benchmarks/inference_report.py [--families llama3-8b,...] [--contexts ...] [--plan ...]
+Writes benchmarks/results/inference_<family>_<gpu>.json and .md (`--plan`: inference_<family>_<plan>_<gpu>), and docs/images/inference_<family>_*.png, each family
 as soon as it is measured; with OUT set (the device machine), the same paths under $OUT. `--quick`: a tiny config on
 the CPU in seconds (the test suite runs it), written to --out-dir.
 """
@@ -29,7 +30,7 @@ import torch
 from nha_retrofit.bench.output import write_report
 from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
 from nha_retrofit.bench.report import format_report
-from nha_retrofit.bench.engine import run_benchmark
+from nha_retrofit.bench.engine import machine_tag, run_benchmark
 from nha_retrofit.bench.options import decode_room
 from nha_retrofit.plan import PlanSpec, build_plan
 
@@ -77,17 +78,17 @@ def profile_prefill(model, length: int) -> dict:
             "by_host_time": events.table(sort_by="self_cpu_time_total", row_limit=20)}
 
 
-def family_model(config: dict, device: str, dtype, quick: bool):
+def family_model(config: dict, device: str, dtype, quick: bool, plan_changes: dict | None = None):
     spec = PlanSpec(full_layers=1, select="even", window=8, slots=16) if quick else \
-        PlanSpec(full_layers=4, select="even", window=64, slots=64)
+        PlanSpec(select="even", **(plan_changes or {}))
     plan = build_plan(config["num_hidden_layers"], spec)
     return plan, random_nha_model(config, plan, device, dtype)
 
 
 def run_family(name: str, config: dict, device: str, dtype, quick: bool, contexts=None, batch_sizes=None,
-               compile_original: bool = True) -> dict:
+               compile_original: bool = True, plan_changes: dict | None = None) -> dict:
     """The `bench` report of one family."""
-    plan, model = family_model(config, device, dtype, quick)
+    plan, model = family_model(config, device, dtype, quick, plan_changes)
     limit = config["max_position_embeddings"] - decode_room(DECODE_STEPS)
     contexts = sorted({min(c, limit) for c in contexts}) if contexts else family_contexts(config)
     options = dict(contexts=[32, 64] if quick else contexts, decode_steps=2 if quick else DECODE_STEPS,
@@ -128,7 +129,12 @@ def main():
     parser.add_argument("--batch-sizes", help=f"comma-separated batch sizes instead of {BATCH_SIZES}")
     parser.add_argument("--no-compile", action="store_true", help="leave out the original's compiled path")
     parser.add_argument("--profile", action="store_true", help="also profile one NHA prefill of Llama-3-8B at 32K")
+    parser.add_argument("--plan", help="comma-separated integer PlanSpec fields instead of the default, e.g. "
+                                       "full_layers=4,window=64 (the name of what is written says so)")
     args = parser.parse_args()
+    plan_changes = {key: int(value) for key, value in (item.split("=") for item in args.plan.split(","))} \
+        if args.plan else {}
+    plan_tag = "".join(f"_{key.split('_')[0]}{value}" for key, value in plan_changes.items())
     root = args.out_dir or Path(os.environ.get("OUT") or REPO)
     results, images = (root, root) if args.quick or args.out_dir else (root / "benchmarks" / "results",
                                                                        root / "docs" / "images")
@@ -137,17 +143,18 @@ def main():
         device, dtype, machine = "cpu", torch.float32, "cpu"
     else:
         families = {name: NAMED_CONFIGS[name] for name in args.families.split(",")}
-        device, dtype, machine = "cuda", torch.bfloat16, torch.cuda.get_device_name().split()[-1].lower()
+        device, dtype, machine = "cuda", torch.bfloat16, machine_tag(torch.cuda.get_device_name())
     ints = lambda text: [int(x) for x in text.split(",")] if text else None  # noqa: E731
     for name, config in families.items():  # each family written as soon as it is measured
         start = time.perf_counter()
         try:
             report = run_family(name, config, device, dtype, args.quick, ints(args.contexts), ints(args.batch_sizes),
-                                not args.no_compile)
-            write(report, f"inference_{name}_{machine}", results, images)
+                                not args.no_compile, plan_changes)
+            stem = f"inference_{name}{plan_tag}_{machine}"
+            write(report, stem, results, images)
             if name == "llama3-8b" and args.profile and not args.quick:
                 report = llama_profile(report)
-                write(report, f"inference_{name}_{machine}", results, images)
+                write(report, stem, results, images)
                 print(f"\nNHA prefill at {report['profile']['context']}: {report['profile']['prefill_ms']:.0f} ms\n"
                       + report["profile"]["by_cuda_time"] + "\n" + report["profile"]["by_host_time"])
         except Exception:  # noqa: BLE001 - one family's failure must not cost the others' measurements

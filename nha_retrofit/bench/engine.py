@@ -12,6 +12,7 @@ their training forms).
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -288,6 +289,13 @@ def machine_facts(device: torch.device) -> dict:
         except ImportError:
             pass
     return facts
+
+
+def machine_tag(name: str) -> str:
+    """The short name result files carry: the accelerator's model ("h100" of "NVIDIA H100 80GB HBM3", "a100" of
+    "NVIDIA A100-SXM4-80GB"), else the name's last word ("cpu")."""
+    model = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name)
+    return (model.group(1) if model else name.split()[-1]).lower()
 
 
 def dense_weight_bytes(model, original) -> dict | None:

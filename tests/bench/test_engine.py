@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nha_retrofit.bench.decoders import COMPILED, EAGER, EVERY_WINDOW_FULL, NHA
-from nha_retrofit.bench.engine import Bench, baseline_warnings, batch_speedups, run_benchmark, speedups
+from nha_retrofit.bench.engine import Bench, baseline_warnings, batch_speedups, machine_tag, run_benchmark, speedups
 from nha_retrofit.bench.memory import cache_bytes, largest_batch, static_bytes_per_sequence
 from nha_retrofit.bench.options import decode_room
 from nha_retrofit.modeling.nha_cache import NHAStaticCache
@@ -113,3 +113,9 @@ def test_a_float8_kv_cache_is_what_nha_decodes_on_and_what_it_holds():
     assert "float8_e4m3fn" in report["paths"][NHA]
     accounting = {(r["model"], r["kv_cache_dtype"]): r["bytes_per_sequence"] for r in report["memory_accounting"]}
     assert accounting[NHA, "float8_e4m3fn"] == expected < accounting[NHA, "float32"]
+
+
+@pytest.mark.parametrize("name, tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"), ("cpu", "cpu")])
+def test_result_files_name_the_accelerator_model(name, tag):
+    assert machine_tag(name) == tag
