@@ -116,12 +116,18 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         model = load_for_inference(folder)
         with pretrained.use("original") as original:
             scored = run_suite({"original": original, "nha": model}, suite, batch_size=args.batch_size)
-        config = model.config
+        windows = list(model.config.nha_windows)
+        plan = {"full_layer_ids": [i for i, w in enumerate(windows) if w is None],
+                "window": max((w for w in windows if w is not None), default=0),
+                "slots": model.config.nha_num_slots, "layers": len(windows)}
         del model
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         before, after = summary.get("before", {}), summary.get("after", {})
         texts = sorted(k[: -len("_original_ppl")] for k in before if k.endswith("_original_ppl"))
         results["rows"][name] = {
+            "machine": summary.get("machine"),
+            "run": f"{args.parallel} training(s) side by side on the GPU, {args.tokens / 1e6:.2f}M LM tokens each",
+            "scorer": f"retrieval suite, group {args.group}, depths {args.depths} x {args.samples} samples per length",
             "overrides": overrides,
             "lm_tokens": args.tokens,
             "tokens": summary.get("tokens"),
@@ -130,16 +136,9 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
             "perplexity_ratio": {t: after.get(f"{t}_ppl", float("nan")) / before[f"{t}_original_ppl"] for t in texts},
             "perplexity": {t: {"original": before[f"{t}_original_ppl"], "after": after.get(f"{t}_ppl")}
                            for t in texts},
-            "cost": {
-                "own": cache_costs(list(config.nha_windows), config.nha_num_slots, config.num_hidden_layers,
-                                   config.num_key_value_heads, config.hidden_size // config.num_attention_heads),
-                "llama3_8b": {**cache_costs(list(config.nha_windows), config.nha_num_slots, **LLAMA3_8B),
-                              **({"decode_ms_32k": decode[name]} if name in decode else {})},
-            },
+            "plan": plan,
+            **({"decode_ms_32k_llama3_8b": decode[name]} if name in decode else {}),
         }
-        results.update(machine=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       parallel=args.parallel, suite={"lengths": lengths, "depths": depths,
-                                                      "samples": args.samples, "group": args.group, "seed": args.seed})
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=2) + "\n")
         print(f"{name}: {json.dumps(results['rows'][name]['perplexity_ratio'])}", flush=True)
@@ -175,17 +174,20 @@ def row_summary(row: dict) -> dict:
 
 def report(path: Path, image: Path | None) -> str:
     """The sweep's table as markdown (and its Pareto plot as a PNG when `image` is given)."""
+    from nha_retrofit.bench.engine import machine_tag
+
     results = json.loads(path.read_text())
-    lines = ["| setting | full layers | window | LM tokens | train s | retrieval vs original (tuning / held-out) | "
+    lines = ["| setting | GPU | full layers | window | LM tokens | train s | retrieval vs original (tuning / held-out) | "
              "python-docs | python-stdlib | Hamlet | cache at 8K (SmolLM2 / 8B shape) | cache at 32K, 8B shape |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     points = []
     for name, row in results["rows"].items():
         summary = row_summary(row)
         ppl = summary["perplexity_ratio"]
         retrieval = " / ".join(f"{value:.2f}" for value in summary["retrieval"].values())
         lines.append(
-            f"| {name} | {row['plan']['full_layer_ids']} | {row['plan']['window']} | {row['lm_tokens'] / 1e6:.2f}M | "
+            f"| {name} | {machine_tag(row['machine'])} | {row['plan']['full_layer_ids']} | {row['plan']['window']} | "
+            f"{row['lm_tokens'] / 1e6:.2f}M | "
             f"{row['train_wall_time_s']:.0f} | {retrieval} | {ppl['python-docs']:.3f} | {ppl['python-stdlib']:.3f} | "
             f"{ppl['shakespeare']:.3f} | {summary['own']['cache_ratio_8192']:.3f} / "
             f"{summary['llama3_8b']['cache_ratio_8192']:.3f} | {summary['llama3_8b']['cache_ratio_32768']:.3f} |")
@@ -209,7 +211,8 @@ def report(path: Path, image: Path | None) -> str:
         for axis in axes:
             axis.set_xlabel("cache at 8K tokens / original's (SmolLM2-135M)")
             axis.axvline(0.25, linestyle=":", color="grey")
-        figure.suptitle(f"SmolLM2-135M quality against cache cost ({results['machine']})")
+        gpus = " or ".join(sorted({machine_tag(row["machine"]).upper() for row in results["rows"].values()}))
+        figure.suptitle(f"SmolLM2-135M quality against cache cost (each setting on one {gpus})")
         figure.tight_layout()
         figure.savefig(image, dpi=110)
     return "\n".join(lines)
