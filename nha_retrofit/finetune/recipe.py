@@ -117,18 +117,20 @@ class TransferStage(Section):
 
 
 class LMStage(Section):
-    """Stage 2: next-token cross-entropy, plus KL to the teacher (the same model with every window full)."""
+    """Stage 2: next-token cross-entropy, plus KL to the teacher (the same model with every window full), plus each
+    NHA layer's output MSE to the full attention of its own projections beyond its window (`transfer_weight`)."""
 
     tokens: Count = 0  # 0 disables the stage
     lr: Positive | None = None
     ce_weight: NonNegative = 1.0
     distill_weight: NonNegative = 0.0
     temperature: Positive = 1.0
+    transfer_weight: NonNegative = 0.0
 
     @model_validator(mode="after")
     def some_loss(self):
-        if self.tokens and self.ce_weight + self.distill_weight == 0:
-            raise KeyProblem("", "ce_weight + distill_weight is 0")
+        if self.tokens and self.ce_weight + self.distill_weight + self.transfer_weight == 0:
+            raise KeyProblem("", "ce_weight + distill_weight + transfer_weight is 0")
         return self
 
 

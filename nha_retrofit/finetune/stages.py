@@ -147,6 +147,22 @@ def attention_transfer_mode(model):
             m.attention_transfer, m.transfer_loss = False, None
 
 
+@contextlib.contextmanager
+def long_position_transfer(model):
+    """For the LM stage's `transfer_weight`: every NHA layer also scores its output against the full attention of its
+    own projections, at the positions beyond its window (where the window no longer holds the prefix and the slots
+    must stand in for it); nothing is frozen or detached. Call the loss and its backward inside, so that gradient
+    checkpointing recomputes the same graph."""
+    modules = [m for m in nha_modules(model) if m.window is not None]
+    try:
+        for m in modules:
+            m.attention_transfer, m.transfer_from, m.transfer_loss = True, m.window, None
+        yield modules
+    finally:
+        for m in modules:
+            m.attention_transfer, m.transfer_from, m.transfer_loss = False, 0, None
+
+
 def attention_transfer_loss(model, modules, input_ids, through_outputs: bool = False) -> tuple[torch.Tensor, dict]:
     """Mean over NHA layers of the per-layer output MSE; the LM head runs on one position only. Call it (and the
     backward) inside `attention_transfer_mode`, so that gradient checkpointing recomputes the same graph.
@@ -199,15 +215,27 @@ def head_losses(model, unwrapped, input_ids, teacher=None, temperature: float = 
         return model(input_ids=input_ids, use_cache=False).logits
 
 
-def lm_loss(model, unwrapped, input_ids, *, ce_weight=1.0, distill_weight=0.0, temperature=1.0):
-    """ce_weight * CE + distill_weight * KL(teacher || student); returns (loss, metrics)."""
+def lm_loss(model, unwrapped, input_ids, *, ce_weight=1.0, distill_weight=0.0, temperature=1.0,
+            transfer_weight=0.0, transfer_modules=()):
+    """ce_weight * CE + distill_weight * KL(teacher || student) + transfer_weight * the mean over
+    `transfer_modules` (those `long_position_transfer` yields) of their output MSE beyond the window; returns
+    (loss, metrics)."""
     teacher = teacher_states(unwrapped, input_ids) if distill_weight > 0 else None
+    for m in transfer_modules:
+        m.transfer_loss = None
     ce, kl = head_losses(model, unwrapped, input_ids, teacher, temperature)
     metrics = {"ce": ce.item()}
     loss = ce_weight * ce if ce_weight > 0 else ce.detach() * 0
     if teacher is not None:
         metrics["kl"] = kl.item()
         loss = loss + distill_weight * kl
+    transfers = [m.transfer_loss for m in transfer_modules if m.transfer_loss is not None]
+    if transfer_weight > 0 and transfers:
+        transfer = torch.stack(transfers).mean()
+        metrics["transfer"] = transfer.item()
+        loss = loss + transfer_weight * transfer
+    for m in transfer_modules:
+        m.transfer_loss = None
     return loss, metrics
 
 

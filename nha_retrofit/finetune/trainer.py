@@ -460,7 +460,9 @@ class Run:
         transfer = stage == "attention_transfer"
         grad_norm = lr = None
         acc.step = 0  # accelerate's micro-step counter: sync on this step's last micro-step, whatever happened before
-        with stages.attention_transfer_mode(self.unwrapped) if transfer else contextlib.nullcontext() as modules:
+        with stages.attention_transfer_mode(self.unwrapped) if transfer else \
+                stages.long_position_transfer(self.unwrapped) if lm.transfer_weight > 0 else \
+                contextlib.nullcontext(()) as modules:
             for blocks in batches:
                 with acc.accumulate(self.model):
                     with acc.autocast():
@@ -471,6 +473,7 @@ class Run:
                             loss, metrics = stages.lm_loss(
                                 self.model, self.unwrapped, blocks, ce_weight=lm.ce_weight,
                                 distill_weight=lm.distill_weight, temperature=lm.temperature,
+                                transfer_weight=lm.transfer_weight, transfer_modules=modules,
                             )
                     if not self._all_finite(loss.item()):
                         raise NonFinite("loss")

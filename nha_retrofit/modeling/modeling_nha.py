@@ -53,8 +53,10 @@ class NHAAttentionMixin:
         self.g_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.num_slots, bias=False)
         self.slot_bias = nn.Parameter(torch.full((config.num_attention_heads,), float(config.nha_slot_bias_init)))
         # Attention transfer: when True, each forward also runs the original full attention (no grad) on the same
-        # projections and stores the MSE between the two layer outputs in `transfer_loss`.
+        # projections and stores the MSE between the two layer outputs, over positions from `transfer_from` on, in
+        # `transfer_loss`.
         self.attention_transfer = False
+        self.transfer_from = 0
         self.transfer_loss = None
         # False: the slots get no softmax mass (slot logits -inf), so the layer is exactly sliding-window attention
         # over its window; the slot state is still kept. Set through the model's `slot_reads_disabled()`.
@@ -112,13 +114,16 @@ class NHAAttentionMixin:
         return self.o_proj(out.reshape(*hidden_states.shape[:2], -1)), None
 
     def _transfer_loss(self, output, hidden_states, position_embeddings, attention_mask, padding_mask, kwargs):
-        """MSE to what the original (full-attention) layer outputs for the same input, over real tokens."""
+        """MSE to what the original (full-attention) layer outputs for the same input, over real tokens from
+        position `transfer_from` on (a block no longer than that gives a zero that still reaches the graph)."""
+        if output.shape[1] <= self.transfer_from:
+            return output.float().sum() * 0.0
         with torch.no_grad():
             target, _ = super().forward(hidden_states, position_embeddings, attention_mask, None, **kwargs)
-        error = (output.float() - target.float()).pow(2).mean(-1)
+        error = (output.float() - target.float()).pow(2).mean(-1)[:, self.transfer_from :]
         if padding_mask is None:
             return error.mean()
-        real = padding_mask[:, -output.shape[1] :].to(error.dtype)
+        real = padding_mask[:, -output.shape[1] :][:, self.transfer_from :].to(error.dtype)
         return (error * real).sum() / real.sum().clamp(min=1)
 
 
