@@ -228,6 +228,9 @@ def evaluate(
         help="passkey/niah/suite: a held-out text or a text file of your own as the haystack (default python-docs; "
              "suite: each group's own).")] = None,
     group: Annotated[str, typer.Option(help="suite: tuning, heldout or all.")] = "all",
+    kv_cache_dtype: Annotated[str | None, typer.Option(
+        help="suite: the NHA models read each answer from a static cache whose full layers store keys and values in "
+             "this dtype (auto: the model's; float8_e4m3) instead of one forward pass.")] = None,
     seed: Annotated[int, typer.Option(help="passkey/niah/suite: seed of the samples.")] = 0,
     position_length: Annotated[int | None, typer.Option(help="positions: tokens per sequence.")] = None,
     sequences: Annotated[int, typer.Option(help="positions: sequences of held-out text.")] = 8,
@@ -261,7 +264,7 @@ def evaluate(
         limit=limit, include_path=include_path,
         heldout=HeldoutSpec(parse_names(texts), max_tokens, chunk_len),
         retrieval=RetrievalSpec(chosen_lengths, chosen_depths, **given),
-        suite=SuiteSpec(chosen_lengths, chosen_depths, group=group, **given),
+        suite=SuiteSpec(chosen_lengths, chosen_depths, group=group, kv_cache=kv_cache_dtype, **given),
         positions=PositionSpec(position_length, sequences, parse_names(texts)),
         allow_beyond_positions=allow_beyond_positions,
         prompt=prompt if "heldout" in task_names else None, plots=output is not None, progress=True,

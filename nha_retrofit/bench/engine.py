@@ -20,10 +20,11 @@ import torch
 from transformers import AutoTokenizer
 
 from ..eval.texts import load_heldout_tokens
+from ..modeling.decoding import kv_cache_dtype
 from ..modeling.load import device_name
 from .decoders import COMPILED, EAGER, EVERY_WINDOW_FULL, NHA, Original, StaticDecoder, full_windows_decoder
 from .memory import cache_bytes, largest_batch, static_bytes_per_sequence
-from .options import COMPILED_WARM_STEPS, WARM_STEPS, check_options, decode_room, kv_cache_dtype
+from .options import COMPILED_WARM_STEPS, WARM_STEPS, check_options, decode_room
 from .timing import Clock, PeakMemory, decode_ms_per_step, fits, free_memory, spread
 
 TIMED = ("prefill_ms", "decode_ms_per_token")

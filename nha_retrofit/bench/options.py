@@ -1,24 +1,15 @@
 """The bench's options, checked before any model is built or loaded: one error line for what cannot be measured."""
 
-import torch
-
 from ..errors import NHARetrofitError
+from ..modeling.decoding import kv_cache_dtype
 
 WARM_STEPS = 2  # untimed decode steps first: the eager step that CUDA graphs capture after, and a first replay
 COMPILED_WARM_STEPS = 4  # torch.compile(mode="reduce-overhead") runs eagerly, then records its graph, then replays
-KV_CACHE_DTYPES = {"auto": None, "float8_e4m3": torch.float8_e4m3fn}
 
 
 def decode_room(decode_steps: int) -> int:
     """Positions a measured cache keeps beyond its context: the batch-1 steps, then as many on copied caches."""
     return 2 * (COMPILED_WARM_STEPS + decode_steps)
-
-
-def kv_cache_dtype(name: str):
-    """The dtype NHA's full layers store keys and values in (None: the model's own)."""
-    if name not in KV_CACHE_DTYPES:
-        raise NHARetrofitError(f"unknown KV cache dtype {name!r}; use {', '.join(KV_CACHE_DTYPES)}")
-    return KV_CACHE_DTYPES[name]
 
 
 def check_options(positions: int, contexts, decode_steps: int = 16, rounds: int = 3, batch_sizes=(),

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from ..errors import NHARetrofitError
+from ..modeling.decoding import kv_cache_dtype
 from ..modeling.load import device_name, load_for_inference, resolve_placement
 from .compare import COMPLETION_TOKENS, DEFAULT_TEXTS, check_texts, compare_perplexity, generate_text
 from .positions import PositionSpec
@@ -106,6 +107,8 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
     if plan.suite:
         suite = replace(suite, lengths=check_lengths(suite.lengths or default, max_positions, allow_beyond_positions))
         check_suite_options(suite.lengths, suite.depths, suite.samples, suite.group, plan.suite)
+        if suite.kv_cache is not None:
+            kv_cache_dtype(suite.kv_cache)
     if plan.positions:
         check_texts(positions.texts)
         positions = replace(positions, length=check_lengths([positions.length or default[-1]], max_positions,
@@ -145,7 +148,8 @@ def evaluate_checkpoint(folder, tasks=("heldout",), *, variants=VARIANTS, device
     if plan.retrieval:
         report["retrieval"] = run_retrieval(compared, cells, retrieval, batch_size=batch_size, progress=progress)
     if plan.suite:
-        report["suite"] = run_suite(compared, suite_samples, batch_size=batch_size, progress=progress)
+        report["suite"] = run_suite(compared, suite_samples, batch_size=batch_size, progress=progress,
+                                    kv_cache=suite.kv_cache)
     if plan.positions:
         report["positions"] = run_positions(compared, sequences, positions, batch_size=batch_size, progress=progress)
     if prompt:

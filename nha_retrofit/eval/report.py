@@ -75,6 +75,9 @@ def suite_tables(result: dict, variants: list[str]) -> list[str]:
     lines, lengths, reference = [], result["lengths"], result["reference"]
     shown = [v for v in variants if v in result["variants"]]
     depths = ", ".join(f"{d:g}%" for d in result["depths"])
+    if "kv_cache" in result:
+        lines += [f"The NHA models read each answer from a static cache, its full layers' keys and values in "
+                  f"{result['kv_cache']}.", ""]
     for group, entry in result["groups"].items():
         overall = ", ".join(f"{_title(v)} {_percent(entry['overall'][v])}" for v in shown)
         lines += [f"### Retrieval suite, {group} group ({', '.join(entry['haystacks'])}): accuracy (%) [95% "

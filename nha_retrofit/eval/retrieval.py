@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from ..errors import NHARetrofitError
+from ..modeling.decoding import kv_cache_dtype, nha_static_cache, one_token_step, prefill
+from ..modeling.modeling_nha import NHAForCausalLMMixin
 from .texts import HELDOUT_TEXTS
 
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
@@ -241,14 +243,38 @@ def build_samples(tokenizer, haystack: Haystack, task: RetrievalTask, length: in
 
 
 @torch.no_grad()
-def greedy_exact_matches(model, samples: list[Sample], device) -> list[bool]:
+def greedy_exact_matches(model, samples: list[Sample], device, kv_cache: str | None = None) -> list[bool]:
     """Whether greedy decoding after each sample's question would write its number: at every answer token, the
-    most likely next token is that token. One forward of the batch; logits only for the answer's positions."""
+    most likely next token is that token. One forward of the batch; logits only for the answer's positions.
+
+    `kv_cache` ("auto" or "float8_e4m3"; NHA models only): read the answer's positions from the cache a generation
+    keeps instead, the prompt prefilled into an `NHAStaticCache` whose full layers store keys and values in that
+    dtype, then one token at a time, so that what the cache stored is what the answer is predicted from."""
     ids = torch.tensor([sample.ids for sample in samples], dtype=torch.long, device=device)
     keep = max(sample.answer_length for sample in samples) + 1
-    predicted = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits.argmax(-1).tolist()
-    return [row[keep - 1 - sample.answer_length : keep - 1] == sample.ids[-sample.answer_length :]
+    if kv_cache is not None and isinstance(model, NHAForCausalLMMixin):  # not the original beside it
+        predicted = predictions_from_cache(model, ids, keep - 1, kv_cache_dtype(kv_cache))
+    else:  # the last position's logits predict past the sample
+        predicted = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[:, :-1].argmax(-1).tolist()
+    return [row[len(row) - sample.answer_length :] == sample.ids[-sample.answer_length :]
             for row, sample in zip(predicted, samples)]
+
+
+@torch.no_grad()
+def predictions_from_cache(model, ids: torch.Tensor, count: int, kv_dtype) -> list[list[int]]:
+    """The greedy next tokens of `ids` [B, L] at its last `count` tokens, each predicted from the tokens before it
+    through an `NHAStaticCache` (full layers' keys and values in `kv_dtype`): a prefill up to the first of them,
+    then one-token steps fed the true tokens."""
+    batch, length = ids.shape
+    start = length - count  # the prefill's last position predicts the token at `start`
+    cache = nha_static_cache(model, batch, length, kv_dtype, cuda_graph=False)
+    cache, output = prefill(model, ids[:, :start], cache)
+    predicted = [output.logits[:, -1].argmax(-1)]
+    for position in range(start, length - 1):
+        positions = torch.full((batch, 1), position, dtype=torch.long, device=ids.device)
+        output = one_token_step(model, ids[:, position : position + 1], positions, cache)
+        predicted.append(output.logits[:, -1].argmax(-1))
+    return torch.stack(predicted, dim=1).tolist()
 
 
 def retrieval_cells(tokenizer, task_names, spec: RetrievalSpec) -> dict:

@@ -120,6 +120,7 @@ class SuiteSpec:
     group: str = "all"
     haystack: str | None = None
     seed: int = 0
+    kv_cache: str | None = None  # NHA variants read the answers from a static cache in this dtype (`greedy_exact_matches`)
 
 
 @dataclass
@@ -227,10 +228,11 @@ def reference_bar(reference: float) -> float:
 
 
 def run_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = False,
-              reference: str | None = "original") -> dict:
+              reference: str | None = "original", kv_cache: str | None = None) -> dict:
     """Score every model (a `Variants`, or a dict {name: model}) on every sample of `suite`, batched across the cells
     of one length. Per group and task: each model's accuracy per (length, depth) and per length, and, against the
-    `reference` model (when scored), the ratio and the bar per length. JSON-able."""
+    `reference` model (when scored), the ratio and the bar per length. `kv_cache`: the NHA models read the answers
+    from a static cache whose full layers store keys and values in that dtype (`greedy_exact_matches`). JSON-able."""
     from tqdm.auto import tqdm
 
     models = _Models(models) if isinstance(models, dict) else models
@@ -247,11 +249,14 @@ def run_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = Fal
                 for items in by_length.values():
                     for start in range(0, len(items), batch_size):
                         batch = items[start : start + batch_size]
-                        matches = greedy_exact_matches(model, [suite.cells[cell][i] for cell, i in batch], device)
+                        matches = greedy_exact_matches(model, [suite.cells[cell][i] for cell, i in batch], device,
+                                                       kv_cache)
                         for (cell, i), match in zip(batch, matches):
                             hits.setdefault((variant, *cell), [None] * suite.samples)[i] = match
                         progress_bar.update()
     result = suite_result(hits, suite, models.names)
+    if kv_cache is not None:
+        result["kv_cache"] = kv_cache
     return against_reference(result, reference) if reference in models.names else result
 
 

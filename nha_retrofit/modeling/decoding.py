@@ -3,7 +3,8 @@ rather than through `generate`:
 
 - `original_sharing_weights` and `every_window_full`: the original family model, and the NHA model with every
   window full, both built around an NHA model's own weight tensors (no second copy);
-- `nha_static_cache` and `original_static_cache`: the static caches each decodes on;
+- `nha_static_cache` and `original_static_cache`: the static caches each decodes on, and `kv_cache_dtype`, the
+  names of what NHA's full layers may store keys and values in;
 - `prefill` and `one_token_step`: forwards that keep only the last position's logits (as `generate` does) and pass
   the cache under the keyword the installed transformers takes (`CACHE_ARGUMENT`).
 """
@@ -13,8 +14,11 @@ import copy
 import torch
 from transformers import StaticCache
 
+from ..errors import NHARetrofitError
 from .modeling_nha import CACHE_ARGUMENT
 from .nha_cache import NHAStaticCache
+
+KV_CACHE_DTYPES = {"auto": None, "float8_e4m3": torch.float8_e4m3fn}
 
 
 def sharing_weights(model, model_class, config):
@@ -45,10 +49,20 @@ def every_window_full(model):
     return sharing_weights(model, type(model), config)
 
 
-def nha_static_cache(model, batch_size: int, length: int, kv_cache_dtype=None) -> NHAStaticCache:
+def kv_cache_dtype(name: str):
+    """The dtype NHA's full layers store keys and values in, by name (None: the model's own)."""
+    if name not in KV_CACHE_DTYPES:
+        raise NHARetrofitError(f"unknown KV cache dtype {name!r}; use {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
+def nha_static_cache(model, batch_size: int, length: int, kv_cache_dtype=None,
+                     cuda_graph: bool = True) -> NHAStaticCache:
     """An `NHAStaticCache` for `model` on its device: `batch_size` sequences of up to `length` tokens, the full
-    layers' keys and values stored in `kv_cache_dtype` (default: the model's dtype)."""
-    return NHAStaticCache(model.config, batch_size, length, model.dtype, model.device, kv_cache_dtype=kv_cache_dtype)
+    layers' keys and values stored in `kv_cache_dtype` (default: the model's dtype); `cuda_graph=False` for a cache
+    decoded a few steps only (a graph capture would cost more than it saves)."""
+    return NHAStaticCache(model.config, batch_size, length, model.dtype, model.device, cuda_graph=cuda_graph,
+                          kv_cache_dtype=kv_cache_dtype)
 
 
 def original_static_cache(model, batch_size: int, length: int, device) -> StaticCache:

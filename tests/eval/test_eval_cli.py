@@ -77,12 +77,15 @@ def test_the_retrieval_suite_on_a_users_own_haystack(checkpoint, tmp_path):
     notes.write_text("".join(f"Entry {i}: the harbour crane lifted crate {i} before noon.\n" for i in range(300)))
     code, output = cli("eval", checkpoint, "--tasks", "suite:passkey,suite:niah_word", "--group", "heldout",
                        "--haystack", notes, "--lengths", "300", "--depths", "0,100", "--samples", "2", "--variants",
-                       "original,nha,nha_all_full", "--device", "cpu", "--batch-size", "3", "--output", out)
+                       "original,nha,nha_all_full", "--device", "cpu", "--batch-size", "3", "--output", out,
+                       "--kv-cache-dtype", "auto")
     assert code == 0, output
     assert "### Retrieval suite, heldout group (notes.txt): accuracy (%) [95% interval]; 2 samples" in output
+    assert "The NHA models read each answer from a static cache, its full layers' keys and values in auto." in output
     report = json.loads((out / "evaluation.json").read_text())
     suite = report["suite"]
     assert suite["tasks"] == ["passkey", "niah_word"] and suite["reference"] == "original"
+    assert suite["kv_cache"] == "auto"
     assert list(suite["groups"]) == ["heldout"] and suite["groups"]["heldout"]["haystacks"] == ["notes.txt"]
     for scores in suite["groups"]["heldout"]["tasks"].values():
         assert scores["cells"]["nha_all_full"] == scores["cells"]["original"]
@@ -115,6 +118,7 @@ def test_the_retrieval_suite_on_a_users_own_haystack(checkpoint, tmp_path):
     (["--tasks", "suite:kvv"], "unknown suite task 'kvv'; choose from passkey, niah_number"),
     (["--tasks", "suite", "--lengths", "1024"], "length 1024 is beyond the model's 512 positions"),
     (["--tasks", "suite:kv", "--lengths", "60"], "length 60 is too short for kv"),
+    (["--tasks", "suite", "--kv-cache-dtype", "int4"], "unknown KV cache dtype 'int4'; use auto, float8_e4m3"),
     (["--tasks", "suite,passkey", "--haystack", "notes.txt"], "--haystack notes.txt is neither a held-out text "
                                                               "(python-stdlib, shakespeare, python-docs) nor a "
                                                               "readable UTF-8 text file"),

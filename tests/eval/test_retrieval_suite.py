@@ -16,6 +16,7 @@ from nha_retrofit.eval.needles import GROUPS, HELDOUT, SUITE_TASKS, TUNING, fixe
 from nha_retrofit.eval.retrieval import greedy_exact_matches
 from nha_retrofit.eval.report import suite_tables
 from nha_retrofit.eval.retrieval_suite import build_suite, reference_bar, run_suite
+from nha_retrofit.modeling.decoding import nha_static_cache
 
 LENGTHS, DEPTHS = [700, 900], [0, 50, 100]
 SINGLE_NEEDLE = ("passkey", "niah_number", "niah_word", "niah_id")
@@ -225,3 +226,42 @@ def test_the_wilson_interval_matches_its_definition(correct, total):
     ref_low, ref_high = _wilson_by_bisection(correct, total)
     assert low == pytest.approx(ref_low, abs=1e-12) and high == pytest.approx(ref_high, abs=1e-12)
     assert low <= correct / total <= high
+
+
+@pytest.mark.parametrize("kv_cache", ["auto", pytest.param("float8_e4m3", marks=pytest.mark.slow)])
+def test_answers_read_from_the_static_cache_match_one_forward(tiny_tokenizer, tiny_checkpoint, kv_cache, monkeypatch):
+    """An NHA model's answers predicted through a prefill and one-token steps on an `NHAStaticCache` (its full layers'
+    keys and values in the model's dtype, or in float8) against one teacher-forced forward: the same greedy tokens,
+    hits and misses; the cache is built in the dtype asked for."""
+    from nha_retrofit.eval import retrieval
+    from nha_retrofit.modeling.load import load_for_inference
+
+    suite = build_suite(tiny_tokenizer, lengths=[320], samples=2, depths=[50], group="tuning",
+                        tasks=["passkey", "niah_number"])
+    samples = [sample for cell in suite.cells.values() for sample in cell]
+    assert len({s.answer_length for s in samples}) > 1  # answers of several lengths share a batch
+    model = load_for_inference(tiny_checkpoint, "cpu").double()
+    assert any(w is None for w in model.config.nha_windows) and any(w for w in model.config.nha_windows)
+    built = []
+    monkeypatch.setattr(retrieval, "nha_static_cache",
+                        lambda *args, **kwargs: built.append(args[3]) or nha_static_cache(*args, **kwargs))
+    ids = torch.tensor([s.ids for s in samples])
+    keep = max(s.answer_length for s in samples) + 1
+    with torch.no_grad():
+        forward = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[:, :-1]
+    cached = retrieval.predictions_from_cache(model, ids, keep - 1, retrieval.kv_cache_dtype(kv_cache))
+    agree = (torch.tensor(cached) == forward.argmax(-1)).double().mean().item()
+    assert agree == 1.0 if kv_cache == "auto" else agree >= 0.9
+    assert built == [retrieval.kv_cache_dtype(kv_cache)]
+    rewritten = [SimpleNamespace(ids=list(s.ids), answer_length=s.answer_length) for s in samples]
+    for _ in range(keep - 1):  # greedy answers: each pass fixes one more answer token given those before it
+        with torch.no_grad():
+            rows = model(input_ids=torch.tensor([s.ids for s in rewritten]), use_cache=False,
+                         logits_to_keep=keep).logits[:, :-1].argmax(-1).tolist()
+        for s, row in zip(rewritten, rows):
+            s.ids[-s.answer_length :] = row[len(row) - s.answer_length :]
+    hits = greedy_exact_matches(model, rewritten, "cpu", kv_cache)
+    assert hits == [True] * len(samples) if kv_cache == "auto" else sum(hits) >= 0.8 * len(samples)
+    spoiled = [SimpleNamespace(ids=s.ids[:-1] + [(s.ids[-1] + 1) % len(tiny_tokenizer)],
+                               answer_length=s.answer_length) for s in rewritten]
+    assert greedy_exact_matches(model, spoiled, "cpu", kv_cache) == [False] * len(samples)
