@@ -10,7 +10,8 @@
 #       TRAIN_SECONDS at the measured rate (or TOKENS), then scores them (SAMPLES per cell); $OUT/sweep.json
 #   (no carry):  FINAL="NAME=OVERRIDE;..." TOKENS=... bash benchmarks/gpu_sweep.sh final
 #       trains one setting alone and scores it on the whole suite, both groups; $OUT/final.json. A budget too
-#       large for one call splits in two calls: PART=train (training alone), then PART=score (the trained run)
+#       large for one call splits in two calls: PART=train (training alone), then PART=score (the trained run);
+#       KV_CACHE_DTYPE=float8_e4m3 scores the NHA model through an fp8 full-layer cache (a row NAME+kv_float8_e4m3)
 set -euo pipefail
 mode=$1
 keep=/tmp/nha-sweep
@@ -92,7 +93,8 @@ if [ "$mode" = final ]; then
     timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
         --tokens "$TOKENS" --parallel 1 --variant "$FINAL" --root outputs/final "${part[@]}" \
         --samples "${SAMPLES:-20}" --group all --lengths "${LENGTHS:-1024,2048,4096,8192}" \
-        --depths "${DEPTHS:-0,25,50,75,100}" --output "$OUT/final.json"
+        --depths "${DEPTHS:-0,25,50,75,100}" ${KV_CACHE_DTYPE:+--kv-cache-dtype "$KV_CACHE_DTYPE"} \
+        --output "$OUT/final.json"
     rc=$?
     set -e
     tail -n 30 outputs/final/*.log

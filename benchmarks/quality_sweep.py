@@ -115,7 +115,8 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         summary = json.loads(summary_path.read_text())
         model = load_for_inference(folder)
         with pretrained.use("original") as original:
-            scored = run_suite({"original": original, "nha": model}, suite, batch_size=args.batch_size)
+            scored = run_suite({"original": original, "nha": model}, suite, batch_size=args.batch_size,
+                               kv_cache=args.kv_cache_dtype)
         windows = list(model.config.nha_windows)
         plan = {"full_layer_ids": [i for i, w in enumerate(windows) if w is None],
                 "window": max((w for w in windows if w is not None), default=0),
@@ -124,10 +125,13 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         before, after = summary.get("before", {}), summary.get("after", {})
         texts = sorted(k[: -len("_original_ppl")] for k in before if k.endswith("_original_ppl"))
-        results["rows"][name] = {
+        row_name = name + (f"+kv_{args.kv_cache_dtype}" if args.kv_cache_dtype else "")
+        results["rows"][row_name] = {
             "machine": summary.get("machine"),
             "run": f"{args.parallel} training(s) side by side on the GPU, {args.tokens / 1e6:.2f}M LM tokens each",
-            "scorer": f"retrieval suite, group {args.group}, depths {args.depths} x {args.samples} samples per length",
+            "scorer": f"retrieval suite, group {args.group}, depths {args.depths} x {args.samples} samples per length"
+                      + (f"; the NHA model through a static cache in {args.kv_cache_dtype}" if args.kv_cache_dtype
+                         else ""),
             "overrides": overrides,
             "lm_tokens": args.tokens,
             "tokens": summary.get("tokens"),
@@ -141,7 +145,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         }
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"{name}: {json.dumps(results['rows'][name]['perplexity_ratio'])}", flush=True)
+        print(f"{row_name}: {json.dumps(results['rows'][row_name]['perplexity_ratio'])}", flush=True)
 
 
 def accuracies(suite: dict, variant: str, group: str = "tuning") -> dict:
@@ -158,12 +162,12 @@ def row_summary(row: dict) -> dict:
     lengths against the original's, the worst task and length ratio, held-out perplexity ratios, cache ratios."""
     plan = row["plan"]
     windows = [None if i in plan["full_layer_ids"] else plan["window"] for i in range(plan["layers"])]
-    groups = ["tuning", "heldout"] if "groups" in row["suite"] else ["tuning"]
+    groups = list(row["suite"]["groups"]) if "groups" in row["suite"] else ["tuning"]
     retrieval = {}
     for group in groups:
         nha, original = accuracies(row["suite"], "nha", group), accuracies(row["suite"], "original", group)
         mean = lambda table: sum(sum(v) for v in table.values()) / sum(len(v) for v in table.values())  # noqa: E731
-        retrieval[group] = mean(nha) / mean(original)
+        retrieval[group] = mean(nha) / mean(original) if mean(original) > 0 else None  # nothing to compare with
     return {
         "retrieval": retrieval,
         "perplexity_ratio": row["perplexity_ratio"],
@@ -184,7 +188,7 @@ def report(path: Path, image: Path | None) -> str:
     for name, row in results["rows"].items():
         summary = row_summary(row)
         ppl = summary["perplexity_ratio"]
-        retrieval = " / ".join(f"{value:.2f}" for value in summary["retrieval"].values())
+        retrieval = " / ".join("-" if value is None else f"{value:.2f}" for value in summary["retrieval"].values())
         lines.append(
             f"| {name} | {machine_tag(row['machine'])} | {row['plan']['full_layer_ids']} | {row['plan']['window']} | "
             f"{row['lm_tokens'] / 1e6:.2f}M | "
@@ -201,7 +205,9 @@ def report(path: Path, image: Path | None) -> str:
         figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
         for name, summary in points:
             x = summary["own"]["cache_ratio_8192"]
-            for axis, y in zip(axes, (summary["retrieval"]["tuning"], summary["perplexity_ratio"]["shakespeare"])):
+            for axis, y in zip(axes, (summary["retrieval"].get("tuning"), summary["perplexity_ratio"]["shakespeare"])):
+                if y is None:
+                    continue
                 axis.scatter(x, y)
                 axis.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         axes[0].set_ylabel("retrieval, finetuned / original (tuning tasks)")
@@ -232,6 +238,9 @@ def main(argv=None):
     parser.add_argument("--group", default="tuning", help="the retrieval suite's group scored")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--kv-cache-dtype", help="score the NHA model through a static cache whose full layers "
+                                                 "store keys and values in this dtype (auto, float8_e4m3); the row "
+                                                 "is named NAME+kv_DTYPE")
     parser.add_argument("--decode-json", help="{variant: decode ms per token at 32K} measured at the 8B shape")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "quality_sweep.json"))
     parser.add_argument("--train-one", help=argparse.SUPPRESS)

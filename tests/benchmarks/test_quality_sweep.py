@@ -46,3 +46,36 @@ def test_report_names_each_rows_gpu_and_its_retrieval_ratio(tmp_path, seed):
         assert cells[9] == f"{rows[name]['perplexity_ratio']['shakespeare']:.3f}"
     # more full layers cost more cache at 8K
     assert float(lines[2].split("|")[11].split("/")[0]) > float(lines[3].split("|")[11].split("/")[0])
+
+
+def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tiny_finetuned_checkpoint):
+    """`--skip-training --converted`: a trained variant (here a stand-in exported model) scored on the suite against
+    the converted checkpoint's original, once through one forward and once through an fp8 full-layer cache, each a
+    row with its machine, plan, perplexity ratios from its summary, and the table of both."""
+    import shutil
+
+    root, output = tmp_path / "runs", tmp_path / "sweep.json"
+    shutil.copytree(tiny_finetuned_checkpoint, root / "tiny" / "model")
+    summary = {"machine": "1 x NVIDIA H100 80GB HBM3", "tokens": 4096, "wall_time_s": 12.5,
+               "before": {f"{t}_original_ppl": 10.0 + i for i, t in enumerate(("python-docs", "python-stdlib",
+                                                                                "shakespeare"))},
+               "after": {f"{t}_ppl": 11.0 + 2 * i for i, t in enumerate(("python-docs", "python-stdlib",
+                                                                         "shakespeare"))}}
+    (root / "tiny" / "summary.json").write_text(json.dumps(summary))
+    common = ["--variant", "tiny=train.lr=1e-4", "--root", str(root), "--converted", str(tiny_checkpoint),
+              "--skip-training", "--tokens", "4096", "--lengths", "500", "--depths", "50", "--samples", "2",
+              "--group", "tuning", "--output", str(output)]
+    assert quality_sweep.main(common) == 0
+    assert quality_sweep.main([*common, "--kv-cache-dtype", "float8_e4m3"]) == 0
+    rows = json.loads(output.read_text())["rows"]
+    assert list(rows) == ["tiny", "tiny+kv_float8_e4m3"]
+    row = rows["tiny"]
+    assert row["machine"] == summary["machine"] and row["overrides"] == ["train.lr=1e-4"]
+    assert row["plan"] == {"full_layer_ids": [0], "window": 8, "slots": 5, "layers": 4}
+    assert row["perplexity_ratio"] == pytest.approx({"python-docs": 1.1, "python-stdlib": 13 / 11,
+                                                     "shakespeare": 15 / 12})
+    assert set(row["suite"]["groups"]) == {"tuning"} and "kv_cache" not in row["suite"]
+    assert rows["tiny+kv_float8_e4m3"]["suite"]["kv_cache"] == "float8_e4m3"
+    assert "float8_e4m3" in rows["tiny+kv_float8_e4m3"]["scorer"]
+    lines = quality_sweep.report(output, None).splitlines()
+    assert [line.split("|")[1:3] for line in lines[2:]] == [[" tiny ", " h100 "], [" tiny+kv_float8_e4m3 ", " h100 "]]
