@@ -246,10 +246,13 @@ def main(argv=None):
     parser.add_argument("--train-one", help=argparse.SUPPRESS)
     parser.add_argument("--skip-training", action="store_true", help="score the variants already trained")
     parser.add_argument("--report", metavar="IMAGE", nargs="?", const="",
-                        help="print the table of --output (and write its Pareto plot to IMAGE) instead of running")
+                        help="print the table of --output, write it beside as .md (and its Pareto plot to IMAGE) "
+                             "instead of running")
     args = parser.parse_args(argv)
-    if args.report is not None:
-        print(report(Path(args.output), Path(args.report) if args.report else None))
+    if args.report is not None:  # the table also goes beside the JSON, as NAME.md
+        table = report(Path(args.output), Path(args.report) if args.report else None)
+        Path(args.output).with_suffix(".md").write_text(table + "\n")
+        print(table)
         return 0
     variants = dict(parse_variant(v) for v in args.variant)
     root = Path(args.root)
