@@ -6,9 +6,9 @@ cached decode, beside the original Llama's eager decode with the same weights on
 among every SDPA backend, native grouped-query attention), in rounds alternating in order with NHA's.
 
 Usage (GPU machine): PYTHONPATH=. python benchmarks/e2e_model.py [--layers 8] [--tokens 8192]
-Writes benchmarks/results/e2e_model_h200.json. With --memory it only prints the peak memory of a training step with
-and without gradient checkpointing; with --decode only the alternating decode rounds (--profile: where their host
-time goes); neither writes the file.
+Writes benchmarks/results/e2e_model_<gpu>.json (the card's model, e.g. h200). With --memory it only prints the peak
+memory of a training step with and without gradient checkpointing; with --decode only the alternating decode rounds
+(--profile: where their host time goes); neither writes the file.
 """
 
 import argparse
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from nha_retrofit.bench.engine import machine_tag
 from nha_retrofit.modeling.configuration_nha import NHALlamaConfig
 from nha_retrofit.modeling.decoding import one_token_step, prefill
 from nha_retrofit.ops import KERNELS_AVAILABLE
@@ -216,7 +217,7 @@ def main():
     ok = result["logits_rel_err"] < 2e-2 and result["worst_grad_rel_err"] < 5e-2
     print("AGREE" if ok else "DISAGREE")
     folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")  # $OUT: another output folder
-    (folder / "e2e_model_h200.json").write_text(json.dumps(result, indent=2) + "\n")
+    (folder / f"e2e_model_{machine_tag(result['machine'])}.json").write_text(json.dumps(result, indent=2) + "\n")
     raise SystemExit(0 if ok else 1)
 
 

@@ -43,7 +43,7 @@ step e2e "${CAP_E2E:-90}" $PY benchmarks/e2e_model.py
   echo; echo "# summary"
   cat "$OUT/device.txt"
   echo "## tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
-  echo "## operator benchmark"; cat "$OUT/ops_h200.md" 2>/dev/null || tail -20 "$OUT/ops.log"
+  echo "## operator benchmark"; cat "$OUT"/ops_*.md 2>/dev/null || tail -20 "$OUT/ops.log"
   echo "## model check"; tail -25 "$OUT/e2e.log" 2>/dev/null
   echo "total wall $(( $(date +%s) - START ))s"
 } >> "$OUT/summary.txt"

@@ -3,8 +3,8 @@
 Llama-3-8B attention shapes (HQ=32, H=8, D=128), batch 1, bf16, M=64; T = 2K..64K; forward and forward+backward
 medians through triton.testing.do_bench (NHA also replayed from a CUDA graph, `nha_graph`: the GPU's time without
 the host's launches); plus the decode step for 28 layers (eager and CUDA-graph replay) and
-the bytes / FLOP floors. Writes benchmarks/results/ops_h200.json (records {impl, T, window, mode, ms}) and
-benchmarks/results/ops_h200.md.
+the bytes / FLOP floors. Writes benchmarks/results/ops_<gpu>.json (records {impl, T, window, mode, ms}; <gpu> the
+card's model, e.g. h200) and benchmarks/results/ops_<gpu>.md.
 
     python benchmarks/ops.py [--lengths 2048,4096,...] [--out-dir benchmarks/results]
     python benchmarks/ops.py --parts --skip nha_graph,sdpa,fla_window,fla_gsa,decode   # each stage at 32K
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nha_retrofit.ops.nha.chunk import nha_attention_triton as nha_attention  # noqa: E402
 from nha_retrofit.ops.nha.fused_recurrent import nha_recurrent_step_triton  # noqa: E402
 from nha_retrofit.ops.nha.state import NHAState  # noqa: E402
+from nha_retrofit.bench.engine import machine_tag  # noqa: E402
 
 HQ, H, D, M, B = 32, 8, 128, 64, 1
 BW = 4.3e12  # device-to-device copy, bytes read + written (KINDS.md, H200)
@@ -265,10 +266,11 @@ def main():
 
     def save():  # after every measurement: a run killed by a time limit keeps what it measured
         os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, "ops_h200.json"), "w") as f:
+        device = torch.cuda.get_device_name()
+        with open(os.path.join(args.out_dir, f"ops_{machine_tag(device)}.json"), "w") as f:
             json.dump(records, f, indent=1)
-        md = table(records, lengths, torch.cuda.get_device_name())
-        with open(os.path.join(args.out_dir, "ops_h200.md"), "w") as f:
+        md = table(records, lengths, device)
+        with open(os.path.join(args.out_dir, f"ops_{machine_tag(device)}.md"), "w") as f:
             f.write(md)
         return md
 
@@ -320,7 +322,7 @@ def main():
 
 
 def merge_runs(paths, out_dir, lengths, device):
-    """Write the records of several runs as one ops_h200.json / .md (later files win for the same key)."""
+    """Write the records of several runs as one ops_<gpu>.json / .md (later files win for the same key)."""
     merged = {}
     for path in paths:
         with open(path) as f:
@@ -328,9 +330,9 @@ def merge_runs(paths, out_dir, lengths, device):
                 merged[(r["impl"], r["T"], r["window"], r["mode"])] = r
     records = list(merged.values())
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "ops_h200.json"), "w") as f:
+    with open(os.path.join(out_dir, f"ops_{machine_tag(device)}.json"), "w") as f:
         json.dump(records, f, indent=1)
-    with open(os.path.join(out_dir, "ops_h200.md"), "w") as f:
+    with open(os.path.join(out_dir, f"ops_{machine_tag(device)}.md"), "w") as f:
         f.write(table(records, lengths, device))
 
 
