@@ -7,7 +7,8 @@
 #       PROBE_SECONDS measure the tokens/s each run gets when that many share the GPU (rate.json)
 #   carry .whl .device/stage2 data/linux-doc-6.1:  SWEEP="$(cat variants.txt)" bash benchmarks/gpu_sweep.sh sweep
 #       joins the GGUF; trains every variant (one NAME=OVERRIDE;... a line) with as many LM tokens as fit
-#       TRAIN_SECONDS at the measured rate (or TOKENS), then scores them (SAMPLES per cell); $OUT/sweep.json
+#       TRAIN_SECONDS at the measured rate (or TOKENS), then scores them (SAMPLES per cell); $OUT/sweep.json.
+#       PART and KV_CACHE_DTYPE as for `final` below
 #   (no carry):  FINAL="NAME=OVERRIDE;..." TOKENS=... bash benchmarks/gpu_sweep.sh final
 #       trains one setting alone and scores it on the whole suite, both groups; $OUT/final.json. A budget too
 #       large for one call splits in two calls: PART=train (training alone), then PART=score (the trained run);
@@ -63,6 +64,13 @@ if [ ! -f "$gguf" ]; then
 fi
 sha256sum "$gguf"
 [ -d "$keep/converted" ] || $cli convert smollm2-135m -o "$keep/converted" > /dev/null  # builds the model cache too
+case ${PART:-both} in  # a sweep or final too long for one call: PART=train, then PART=score on the warm machine
+    train) part=() ;;
+    score) part=(--skip-training --converted "$keep/converted") ;;
+    both) part=(--converted "$keep/converted") ;;
+    *) echo "PART is train, score or both" >&2; exit 2 ;;
+esac
+part+=(${KV_CACHE_DTYPE:+--kv-cache-dtype "$KV_CACHE_DTYPE"})
 
 if [ "$mode" = sweep ]; then
     args=()
@@ -73,7 +81,7 @@ print(int(r['rate'] * ${TRAIN_SECONDS:-300}) // 16384 * 16384)")}
     echo "LM tokens per variant: $tokens"
     set +e
     timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
-        --tokens "$tokens" --parallel "$parallel" "${args[@]}" --root outputs/sweep --converted "$keep/converted" \
+        --tokens "$tokens" --parallel "$parallel" "${args[@]}" --root outputs/sweep "${part[@]}" \
         --samples "${SAMPLES:-10}" --lengths "${LENGTHS:-1024,2048,4096,8192}" --depths "${DEPTHS:-0,25,50,75,100}" \
         --output "$OUT/sweep.json"
     rc=$?
@@ -84,17 +92,10 @@ fi
 
 if [ "$mode" = final ]; then
     set +e
-    case ${PART:-both} in
-        train) part=() ;;
-        score) part=(--skip-training --converted "$keep/converted") ;;
-        both) part=(--converted "$keep/converted") ;;
-        *) echo "PART is train, score or both" >&2; exit 2 ;;
-    esac
     timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
         --tokens "$TOKENS" --parallel 1 --variant "$FINAL" --root outputs/final "${part[@]}" \
         --samples "${SAMPLES:-20}" --group all --lengths "${LENGTHS:-1024,2048,4096,8192}" \
-        --depths "${DEPTHS:-0,25,50,75,100}" ${KV_CACHE_DTYPE:+--kv-cache-dtype "$KV_CACHE_DTYPE"} \
-        --output "$OUT/final.json"
+        --depths "${DEPTHS:-0,25,50,75,100}" --output "$OUT/final.json"
     rc=$?
     set -e
     tail -n 30 outputs/final/*.log
