@@ -203,13 +203,20 @@ def report(path: Path, image: Path | None) -> str:
         import matplotlib.pyplot as plt
 
         figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for name, summary in points:
-            x = summary["own"]["cache_ratio_8192"]
-            for axis, y in zip(axes, (summary["retrieval"].get("tuning"), summary["perplexity_ratio"]["shakespeare"])):
-                if y is None:
-                    continue
-                axis.scatter(x, y)
-                axis.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        colors = plt.get_cmap("tab20")
+        for which, axis in enumerate(axes):
+            placed = [(summary["own"]["cache_ratio_8192"], (summary["retrieval"].get("tuning"),
+                                                            summary["perplexity_ratio"]["shakespeare"])[which], name, i)
+                      for i, (name, summary) in enumerate(points)]
+            shown = sorted(p for p in placed if p[1] is not None)
+            span = (max(p[1] for p in shown) - min(p[1] for p in shown)) or 1.0 if shown else 1.0
+            below = {}  # x -> (y, level) of the last label there: settings of one cost whose points nearly touch
+            for x, y, name, i in shown:  # get their labels one above the other
+                last_y, last_level = below.get(round(x, 3), (None, -1))
+                level = last_level + 1 if last_y is not None and y - last_y < 0.05 * span else 0
+                below[round(x, 3)] = (y, level)
+                axis.scatter(x, y, color=colors(i % 20))
+                axis.annotate(name, (x, y), textcoords="offset points", xytext=(5, -3 + 9 * level), fontsize=8)
         axes[0].set_ylabel("retrieval, finetuned / original (tuning tasks)")
         axes[1].set_ylabel("Hamlet perplexity, finetuned / original")
         axes[0].axhline(0.9, linestyle=":", color="grey")
