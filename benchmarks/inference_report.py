@@ -13,9 +13,9 @@ range, every speed-up against the fastest baseline:
 - with --profile, torch.profiler's tables of one NHA prefill at 32K of Llama-3-8B.
 
 Usage (GPU machine): python benchmarks/inference_report.py [--families llama3-8b,...] [--contexts ...] [--plan ...]
-Writes benchmarks/results/inference_<family>_<gpu>.json and .md (`--plan`: inference_<family>_<plan>_<gpu>), and docs/images/inference_<family>_*.png, each family
-as soon as it is measured; with OUT set (the device machine), the same paths under $OUT. `--quick`: a tiny config on
-the CPU in seconds (the test suite runs it), written to --out-dir.
+Writes benchmarks/results/inference_<family>_<gpu>.json and .md (`--plan`: inference_<family>_<plan>_<gpu>), and
+docs/images/inference_<family>_*.png, each family as soon as it is measured; with OUT set (the device machine), the
+same paths under $OUT. `--quick`: a tiny config on the CPU in seconds (the test suite runs it), written to --out-dir.
 """
 
 import argparse

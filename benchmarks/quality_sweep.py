@@ -181,8 +181,9 @@ def report(path: Path, image: Path | None) -> str:
     from nha_retrofit.bench.engine import machine_tag
 
     results = json.loads(path.read_text())
-    lines = ["| setting | GPU | full layers | window | LM tokens | train s | retrieval vs original (tuning / held-out) | "
-             "python-docs | python-stdlib | Hamlet | cache at 8K (SmolLM2 / 8B shape) | cache at 32K, 8B shape |",
+    lines = ["| setting | GPU | full layers | window | LM tokens | train s | "
+             "retrieval vs original (tuning / held-out) | python-docs | python-stdlib | Hamlet | "
+             "cache at 8K (SmolLM2 / 8B shape) | cache at 32K, 8B shape |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     points = []
     for name, row in results["rows"].items():

@@ -120,7 +120,7 @@ class SuiteSpec:
     group: str = "all"
     haystack: str | None = None
     seed: int = 0
-    kv_cache: str | None = None  # NHA variants read the answers from a static cache in this dtype (`greedy_exact_matches`)
+    kv_cache: str | None = None  # NHA variants read the answers from a static cache in this dtype
 
 
 @dataclass

@@ -221,7 +221,7 @@ def lm_loss(model, unwrapped, input_ids, *, ce_weight=1.0, distill_weight=0.0, t
     `transfer_modules` (those `long_position_transfer` yields) of their output MSE beyond the window; returns
     (loss, metrics)."""
     teacher = teacher_states(unwrapped, input_ids) if distill_weight > 0 else None
-    for m in transfer_modules:
+    for m in transfer_modules:  # a checkpointed backward's recompute sets them again after the last step's loss
         m.transfer_loss = None
     ce, kl = head_losses(model, unwrapped, input_ids, teacher, temperature)
     metrics = {"ce": ce.item()}
@@ -234,8 +234,6 @@ def lm_loss(model, unwrapped, input_ids, *, ce_weight=1.0, distill_weight=0.0, t
         transfer = torch.stack(transfers).mean()
         metrics["transfer"] = transfer.item()
         loss = loss + transfer_weight * transfer
-    for m in transfer_modules:
-        m.transfer_loss = None
     return loss, metrics
 
 
