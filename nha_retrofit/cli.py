@@ -106,14 +106,16 @@ RevisionOption = Annotated[str | None, typer.Option(help="Branch, tag or commit 
 TokenOption = Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`).")]
 
 
-def plan_option(kind: type, text: str, field: str):
-    """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help)."""
+def plan_option(kind: type, text: str, field: str, unset: str = "none"):
+    """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help;
+    `unset` describes a default of None)."""
     default = getattr(PlanSpec, field)
-    shown = str(default) if default is not None else f"one layer in {FULL_LAYER_SHARE}"
+    shown = str(default) if default is not None else unset
     return Annotated[kind | None, typer.Option(help=text, show_default=shown)]
 
 
-FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers")
+FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers",
+                               f"one layer in {FULL_LAYER_SHARE}")
 FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exactly these full layers, e.g. 2,9,17,25.")]
 SelectOption = plan_option(str, "Where --full-layers go: retrieval (the layers whose heads retrieve most, from a "
                            "probe of the original), even, first or last.", "select")
@@ -122,18 +124,20 @@ WindowOption = plan_option(int, "Sliding window of the NHA layers.", "window")
 SlotsOption = plan_option(int, "Slots of the NHA memory per KV head.", "slots")
 GateNormalizerOption = plan_option(float, "tau in log(alpha) = logsigmoid(g) / tau.", "gate_normalizer")
 SlotBiasOption = plan_option(float, "Initial per-head slot-logit offset (0 = the paper).", "slot_bias_init")
+GateBiasOption = plan_option(float, "Initial gate-logit bias of every slot (left out: no bias); b > 0 lengthens the "
+                             "slots' memory, alpha = sigmoid(g + b) ** (1 / tau).", "gate_bias_init")
 DeviceOption = Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results to this file.")]
 
 
 def plan_spec(full_layers=None, full_layer_ids=None, select=None, windows=None, window=None, slots=None,
-              gate_normalizer=None, slot_bias_init=None) -> PlanSpec:
+              gate_normalizer=None, slot_bias_init=None, gate_bias_init=None) -> PlanSpec:
     """The PlanSpec of a verb's plan options; those left out (None) keep PlanSpec's defaults."""
     if full_layers is not None and full_layer_ids is not None:
         raise NHARetrofitError("--full-layers and --full-layer-ids: give one of the two")
     given = dict(full_layers=full_layers, full_layer_ids=parse_layer_ids(full_layer_ids), select=select,
                  windows=None if windows is None else parse_windows(windows), window=window, slots=slots,
-                 gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init)
+                 gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init, gate_bias_init=gate_bias_init)
     return PlanSpec(**{field: value for field, value in given.items() if value is not None})
 
 
@@ -150,6 +154,7 @@ def convert(
     slots: SlotsOption = None,
     gate_normalizer: GateNormalizerOption = None,
     slot_bias_init: SlotBiasOption = None,
+    gate_bias_init: GateBiasOption = None,
     gate_init: Annotated[str, typer.Option(help="from_k (copy k_proj, the paper) or random.")] = "from_k",
     allow_pickle: Annotated[bool, typer.Option(help="Accept .bin/.pt weights (loaded with weights_only).")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing output folder.")] = False,
@@ -160,7 +165,8 @@ def convert(
     from .atomic import check_output_folder
 
     check_output_folder(output, overwrite)  # like the plan's checks, before torch is imported
-    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
+    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init,
+                     gate_bias_init)
     from .conversion.converter import convert as run_convert
 
     run_convert(model, output, spec, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
@@ -179,11 +185,13 @@ def plan(
     slots: SlotsOption = None,
     gate_normalizer: GateNormalizerOption = None,
     slot_bias_init: SlotBiasOption = None,
+    gate_bias_init: GateBiasOption = None,
     revision: RevisionOption = None,
     token: TokenOption = None,
 ):
     """Print the layer plan (per layer: window, slots, new parameters, cache bytes) without converting."""
-    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init)
+    spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init,
+                     gate_bias_init)
     from .conversion.resolve import resolve_model
     from .conversion.source import read_source_config_dict
     from .plan import plan_table
@@ -362,6 +370,7 @@ def search(
     slots: SlotsOption = None,
     gate_normalizer: GateNormalizerOption = None,
     slot_bias_init: SlotBiasOption = None,
+    gate_bias_init: GateBiasOption = None,
     texts: Annotated[str, typer.Option(help="Comma-separated held-out texts to rank the layers on.")] = "python-stdlib",
     check_texts: Annotated[str, typer.Option(help="Other held-out texts to score the plans on.")] = "python-docs",
     max_tokens: Annotated[int, typer.Option(help="Tokens of each text.")] = 2048,
@@ -373,7 +382,7 @@ def search(
 ):
     """Choose the layers that keep full attention: each layer's KL divergence from the original when it alone is NHA."""
     spec = plan_spec(full_layers, window=window, slots=slots, gate_normalizer=gate_normalizer,
-                     slot_bias_init=slot_bias_init)
+                     slot_bias_init=slot_bias_init, gate_bias_init=gate_bias_init)
     from .eval.layer_search import format_search, search_full_layers
 
     report = search_full_layers(

@@ -40,6 +40,7 @@ class PlanSpec:
     slots: int = 64
     gate_normalizer: float = 8.0
     slot_bias_init: float = -4.0
+    gate_bias_init: float | None = None  # None: no gate bias; b > 0 lengthens the slots' memory at conversion
 
     def __post_init__(self):
         if self.windows is not None:
@@ -86,6 +87,7 @@ class LayerPlan:
     num_slots: int
     gate_normalizer: float
     slot_bias_init: float
+    gate_bias_init: float | None = None
 
     @property
     def full_layer_ids(self) -> list[int]:
@@ -98,6 +100,7 @@ class LayerPlan:
             "nha_num_slots": self.num_slots,
             "nha_gate_normalizer": self.gate_normalizer,
             "nha_slot_bias_init": self.slot_bias_init,
+            "nha_gate_bias_init": self.gate_bias_init,
         }
 
     def describe(self) -> str:
@@ -106,7 +109,8 @@ class LayerPlan:
         return (
             f"{len(self.windows)} layers: full attention at {self.full_layer_ids or 'none'}; "
             f"{nha} NHA layers (window {', '.join(map(str, windows)) or '-'}, {self.num_slots} slots, "
-            f"gate normalizer {self.gate_normalizer:g}, slot bias init {self.slot_bias_init:g})"
+            f"gate normalizer {self.gate_normalizer:g}, slot bias init {self.slot_bias_init:g}"
+            + (f", gate bias init {self.gate_bias_init:g})" if self.gate_bias_init is not None else ")")
         )
 
     def as_dict(self) -> dict:
@@ -166,7 +170,8 @@ def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None) -> La
                 raise PlanSpecError("full_layers", f"{count}: must be between 0 and {num_layers} (the layer count)")
             full = set(select_full_layers(num_layers, count, spec.select, ranking))
         windows = tuple(None if i in full else spec.window for i in range(num_layers))
-    return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init))
+    gate_bias = None if spec.gate_bias_init is None else float(spec.gate_bias_init)
+    return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init), gate_bias)
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -197,7 +202,7 @@ def plan_table(config: dict, spec: PlanSpec = PlanSpec(), ranking=None) -> str:
     lines = [plan.describe(), "", "| layer | window | slots | new parameters | cache |", "|---|---|---|---|---|"]
     new_params = fixed_bytes = 0
     for layer, window in enumerate(plan.windows):
-        params = kv_heads * plan.num_slots * hidden + heads
+        params = kv_heads * plan.num_slots * (hidden + (plan.gate_bias_init is not None)) + heads
         new_params += params
         if window is None:
             lines.append(f"| {layer} | full | - | {params:,} (unused) | {kv_per_token:,} B per token |")

@@ -34,6 +34,16 @@ def test_plan_table_counts_parameters_and_cache_bytes():
     )
 
 
+def test_a_gate_bias_adds_one_parameter_per_slot_and_is_written_into_the_config():
+    spec = PlanSpec(select="even", full_layers=1, window=3, slots=5, gate_bias_init=4.0)
+    table = plan_table(CONFIG, spec)
+    assert "slot bias init -4, gate bias init 4)" in table
+    assert "| 0 | 3 | 5 | 496 | 1,348 B fixed |" in table  # 486 + 2 KV heads * 5 slots; the cache does not change
+    assert build_plan(4, spec).config_fields()["nha_gate_bias_init"] == 4.0
+    assert build_plan(4, PlanSpec(select="even")).config_fields()["nha_gate_bias_init"] is None
+    assert "gate bias" not in plan_table(CONFIG, PlanSpec(select="even", full_layers=1))
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [

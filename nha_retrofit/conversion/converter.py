@@ -57,7 +57,8 @@ def gate_from_keys(key_weight: torch.Tensor, num_kv_heads: int, slots: int) -> t
 
 
 def new_layer_tensors(config, plan: LayerPlan, key_weight, layer: int, gate_init: str) -> dict:
-    """The tensors an NHA layer adds: `g_proj.weight` and `slot_bias`, in the checkpoint's dtype."""
+    """The tensors an NHA layer adds: `g_proj.weight` and `slot_bias` (and `g_proj.bias` when the plan sets a gate
+    bias), in the checkpoint's dtype."""
     prefix = f"model.layers.{layer}.self_attn."
     kv_heads = config.num_key_value_heads
     if gate_init == "from_k":
@@ -67,7 +68,11 @@ def new_layer_tensors(config, plan: LayerPlan, key_weight, layer: int, gate_init
         gate = torch.randn(kv_heads * plan.num_slots, key_weight.shape[-1], generator=generator)
         gate = (gate * config.initializer_range).to(key_weight.dtype)
     bias = torch.full((config.num_attention_heads,), plan.slot_bias_init, dtype=key_weight.dtype)
-    return {prefix + "g_proj.weight": gate, prefix + "slot_bias": bias}
+    added = {prefix + "g_proj.weight": gate, prefix + "slot_bias": bias}
+    if plan.gate_bias_init is not None:
+        added[prefix + "g_proj.bias"] = torch.full((kv_heads * plan.num_slots,), plan.gate_bias_init,
+                                                   dtype=key_weight.dtype)
+    return added
 
 
 def check_tensor_names(checkpoint, model_class, config) -> None:
@@ -80,7 +85,7 @@ def check_tensor_names(checkpoint, model_class, config) -> None:
         model = model_class(config)
     loads_into = _model_names(model, checkpoint.weight_map)
     expected = set(model.state_dict())
-    added = {name for name in expected if name.endswith((".g_proj.weight", ".slot_bias"))}
+    added = {name for name in expected if name.endswith((".g_proj.weight", ".g_proj.bias", ".slot_bias"))}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(expected - added - optional - set(loads_into.values()))
     ignored = [re.compile(p) for p in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []]
@@ -186,8 +191,8 @@ def build_nha_model(source: Path, plan: LayerPlan, gate_init: str = "from_k"):
         for layer, attention in enumerate(model.nha_attention_layers()):
             prefix = f"model.layers.{layer}.self_attn."
             tensors = new_layer_tensors(config, plan, attention.k_proj.weight.detach().cpu(), layer, gate_init)
-            attention.g_proj.weight.copy_(tensors[prefix + "g_proj.weight"])
-            attention.slot_bias.copy_(tensors[prefix + "slot_bias"])
+            for name, tensor in tensors.items():
+                attention.get_parameter(name[len(prefix):]).copy_(tensor)
     return model.eval()
 
 

@@ -91,7 +91,7 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     build_plan(num_layers, spec, ranking=list(range(num_layers)))  # the plan's errors before any weight is read
     full_layers, window = spec.full_layer_count(num_layers), spec.window
     settings = dict(window=window, slots=spec.slots, gate_normalizer=spec.gate_normalizer,
-                    slot_bias_init=spec.slot_bias_init)
+                    slot_bias_init=spec.slot_bias_init, gate_bias_init=spec.gate_bias_init)
     unknown = [t for t in (*texts, *check_texts) if t not in HELDOUT_TEXTS]
     if unknown:
         raise NHARetrofitError(f"unknown text {unknown[0]!r}; available: {', '.join(HELDOUT_TEXTS)}")
@@ -149,5 +149,6 @@ def format_search(report: dict) -> str:
     full = f"--full-layer-ids {ids}" if ids else "--full-layers 0"
     lines += ["", f"nha-retrofit convert {report['model']} --output OUT {full} --window {report['window']} "
               f"--slots {report['slots']} --gate-normalizer {report['gate_normalizer']:g} "
-              f"--slot-bias-init {report['slot_bias_init']:g}"]
+              f"--slot-bias-init {report['slot_bias_init']:g}"
+              + (f" --gate-bias-init {report['gate_bias_init']:g}" if report.get("gate_bias_init") is not None else "")]
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Configuration of NHA hybrids: the original family's config plus the layer plan.
 
 Saved in config.json as `nha_windows` (one entry per layer: an int window, or null for a full-attention
-layer), `nha_num_slots`, `nha_gate_normalizer` and `nha_slot_bias_init`. A conversion writes all four, chosen by the
+layer), `nha_num_slots`, `nha_gate_normalizer`, `nha_slot_bias_init` and `nha_gate_bias_init` (null: the gate
+projection has no bias, as in checkpoints made before it existed). A conversion writes all five, chosen by the
 plan (`nha_retrofit.plan.PlanSpec` owns the conversion defaults); `NHA_DEFAULTS` only fill in a config that lacks a
 field, so they are part of the checkpoint format and do not follow the conversion defaults. This file ships inside
 every checkpoint as remote code and imports nothing from nha_retrofit.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-NHA_DEFAULTS = {"nha_num_slots": 64, "nha_gate_normalizer": 8.0, "nha_slot_bias_init": -4.0}
+NHA_DEFAULTS = {"nha_num_slots": 64, "nha_gate_normalizer": 8.0, "nha_slot_bias_init": -4.0, "nha_gate_bias_init": None}
 
 
 @dataclass
@@ -27,6 +28,7 @@ class NHAConfigMixin:
     nha_num_slots: int = NHA_DEFAULTS["nha_num_slots"]
     nha_gate_normalizer: float = NHA_DEFAULTS["nha_gate_normalizer"]
     nha_slot_bias_init: float = NHA_DEFAULTS["nha_slot_bias_init"]
+    nha_gate_bias_init: float | None = NHA_DEFAULTS["nha_gate_bias_init"]
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

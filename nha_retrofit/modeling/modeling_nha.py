@@ -50,7 +50,8 @@ class NHAAttentionMixin:
         self.num_slots = config.nha_num_slots
         self.gate_normalizer = config.nha_gate_normalizer
         self.num_kv_heads = config.num_key_value_heads
-        self.g_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.num_slots, bias=False)
+        self.g_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.num_slots,
+                                bias=config.nha_gate_bias_init is not None)
         self.slot_bias = nn.Parameter(torch.full((config.num_attention_heads,), float(config.nha_slot_bias_init)))
         # Attention transfer: when True, each forward also runs the original full attention (no grad) on the same
         # projections and stores the MSE between the two layer outputs, over positions from `transfer_from` on, in
@@ -72,7 +73,8 @@ class NHAAttentionMixin:
         return q, k, self.v_proj(hidden_states).view(shape)
 
     def gate_logits(self, hidden_states):
-        """The gate logits f = g_proj(x) per KV head and slot, [B, T, H, M] (log(alpha) = logsigmoid(f) / tau)."""
+        """The gate logits f = g_proj(x) per KV head and slot, [B, T, H, M] (log(alpha) = logsigmoid(f) / tau); a
+        positive bias in g_proj lengthens every slot's memory (alpha nearer 1)."""
         return self.g_proj(hidden_states).view(*hidden_states.shape[:-1], self.num_kv_heads, self.num_slots)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
@@ -143,6 +145,8 @@ class NHAForCausalLMMixin:
         if isinstance(module, NHAAttentionMixin):
             with torch.no_grad():
                 module.slot_bias.fill_(self.config.nha_slot_bias_init)
+                if module.g_proj.bias is not None:
+                    module.g_proj.bias.fill_(self.config.nha_gate_bias_init)
 
     def nha_attention_layers(self):
         return [layer.self_attn for layer in self.model.layers]

@@ -72,6 +72,39 @@ def test_gate_projection_starts_from_key_projection(tiny_llama_folder, tmp_path,
     assert torch.equal(attention.slot_bias, torch.full((6,), -4.0))
 
 
+def test_gate_bias_lengthens_the_slot_memory_and_travels_with_the_checkpoint(tiny_llama_folder, tmp_path):
+    """--gate-bias-init b: every layer's g_proj gets the bias b beside the same weights, so each gate logit moves by
+    b and alpha = sigmoid(g + b) ** (1 / tau) comes nearer 1; the in-memory build is the written checkpoint, and
+    the checkpoint runs where nha_retrofit is absent. Without it there is no bias, as before."""
+    from nha_retrofit.conversion.converter import build_nha_model
+    from nha_retrofit.ops.nha.gates import gate_log_alpha
+    from nha_retrofit.plan import build_plan
+
+    spec = PlanSpec(select="even", full_layers=1, window=3, slots=5)
+    biased_spec = PlanSpec(select="even", full_layers=1, window=3, slots=5, gate_bias_init=3.0)
+    plain = load_nha_checkpoint(convert(tiny_llama_folder, tmp_path / "plain", spec, log=lambda *_: None))
+    out = convert(tiny_llama_folder, tmp_path / "biased", biased_spec, log=lambda *_: None)
+    biased = load_nha_checkpoint(out)
+    assert biased.config.nha_gate_bias_init == 3.0 and plain.config.nha_gate_bias_init is None
+    hidden = torch.randn(2, 7, plain.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    for layer in range(4):
+        with_bias, without = biased.model.layers[layer].self_attn, plain.model.layers[layer].self_attn
+        assert torch.equal(with_bias.g_proj.bias, torch.full((2 * 5,), 3.0)) and without.g_proj.bias is None
+        with torch.no_grad():
+            torch.testing.assert_close(with_bias.gate_logits(hidden), without.gate_logits(hidden) + 3.0)
+            alpha = [gate_log_alpha(a.gate_logits(hidden), a.gate_normalizer).exp() for a in (with_bias, without)]
+        assert (alpha[0] > alpha[1]).all()
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    in_memory = build_nha_model(tiny_llama_folder, build_plan(4, biased_spec))
+    with torch.no_grad():
+        expected = biased(ids).logits
+        assert torch.equal(in_memory(ids).logits, expected)
+        assert (expected - plain(ids).logits).abs().max() > 1e-4  # the bias does change the hybrid
+    name, diff, length = run_without_nha_retrofit(out, ids, expected, tmp_path, prompt_tokens=10, new_tokens=5,
+                                                  pad_token_id=0)
+    assert name == "NHALlamaForCausalLM" and diff <= 1e-6 and length == 15
+
+
 def test_conversion_record_and_remote_code_files(tiny_llama_folder, tmp_path):
     out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(full_layer_ids=[0, 3]), log=lambda *_: None)
     config = json.loads((out / "config.json").read_text())
