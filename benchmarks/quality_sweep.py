@@ -95,7 +95,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
     """Scores every exported variant on the retrieval suite against the original; adds one row each to the JSON."""
     import torch
 
-    from nha_retrofit.eval.retrieval_suite import build_suite, run_suite
+    from nha_retrofit.eval.retrieval_suite import build_suite, score_suite, suite_report
     from nha_retrofit.eval.variants import Variants, load_tokenizer
     from nha_retrofit.modeling.load import load_for_inference
 
@@ -107,7 +107,9 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
     depths = [float(x) for x in args.depths.split(",")]
     suite = build_suite(tokenizer, lengths=lengths, samples=args.samples, depths=depths, group=args.group,
                         seed=args.seed)
-    pretrained = Variants(load_for_inference(converted), ["original"])
+    scoring = dict(batch_size=args.batch_size, kv_cache=args.kv_cache_dtype)
+    # the original is scored once: it is the same, deterministic model for every variant
+    original = score_suite(Variants(load_for_inference(converted), ["original"]), suite, **scoring)
     decode = json.loads(Path(args.decode_json).read_text()) if args.decode_json else {}
     for name, overrides in variants.items():
         folder = root / name / "model"
@@ -117,9 +119,8 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
             continue
         summary = json.loads(summary_path.read_text())
         model = load_for_inference(folder)
-        with pretrained.use("original") as original:
-            scored = run_suite({"original": original, "nha": model}, suite, batch_size=args.batch_size,
-                               kv_cache=args.kv_cache_dtype)
+        hits = {**original, **score_suite({"nha": model}, suite, **scoring)}
+        scored = suite_report(hits, suite, ["original", "nha"], kv_cache=args.kv_cache_dtype)
         windows = list(model.config.nha_windows)
         plan = {"full_layer_ids": [i for i, w in enumerate(windows) if w is None],
                 "window": max((w for w in windows if w is not None), default=0),

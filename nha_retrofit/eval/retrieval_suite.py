@@ -227,12 +227,12 @@ def reference_bar(reference: float) -> float:
     return REFERENCE_SHARE * reference if reference >= LOW_REFERENCE else max(0.0, reference - LOW_MARGIN)
 
 
-def run_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = False,
-              reference: str | None = "original", kv_cache: str | None = None) -> dict:
-    """Score every model (a `Variants`, or a dict {name: model}) on every sample of `suite`, batched across the cells
-    of one length. Per group and task: each model's accuracy per (length, depth) and per length, and, against the
-    `reference` model (when scored), the ratio and the bar per length. `kv_cache`: the NHA models read the answers
-    from a static cache whose full layers store keys and values in that dtype (`greedy_exact_matches`). JSON-able."""
+def score_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = False,
+                kv_cache: str | None = None) -> dict:
+    """{(model, group, task, length, depth): [hit per sample]} for every model (a `Variants`, or a dict
+    {name: model}) on every sample of `suite`, batched across the cells of one length. `kv_cache`: the NHA models
+    read the answers from a static cache whose full layers store keys and values in that dtype
+    (`greedy_exact_matches`). Models scored apart can be reported together (`suite_report`)."""
     from tqdm.auto import tqdm
 
     models = _Models(models) if isinstance(models, dict) else models
@@ -254,10 +254,26 @@ def run_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = Fal
                         for (cell, i), match in zip(batch, matches):
                             hits.setdefault((variant, *cell), [None] * suite.samples)[i] = match
                         progress_bar.update()
-    result = suite_result(hits, suite, models.names)
+    return hits
+
+
+def suite_report(hits: dict, suite: Suite, names: list[str], *, reference: str | None = "original",
+                 kv_cache: str | None = None) -> dict:
+    """The JSON-able result of `score_suite`'s hits for the models `names`: per group and task, each model's accuracy
+    per (length, depth) and per length, and, against the `reference` model (when among them), the ratio and the bar
+    per length."""
+    result = suite_result(hits, suite, names)
     if kv_cache is not None:
         result["kv_cache"] = kv_cache
-    return against_reference(result, reference) if reference in models.names else result
+    return against_reference(result, reference) if reference in names else result
+
+
+def run_suite(models, suite: Suite, *, batch_size: int = 8, progress: bool = False,
+              reference: str | None = "original", kv_cache: str | None = None) -> dict:
+    """`score_suite`, then `suite_report` of every model scored."""
+    models = _Models(models) if isinstance(models, dict) else models
+    hits = score_suite(models, suite, batch_size=batch_size, progress=progress, kv_cache=kv_cache)
+    return suite_report(hits, suite, models.names, reference=reference, kv_cache=kv_cache)
 
 
 def suite_result(hits: dict, suite: Suite, variants: list[str]) -> dict:

@@ -15,7 +15,7 @@ from nha_retrofit.eval.intervals import Z_95, wilson_interval
 from nha_retrofit.eval.needles import GROUPS, HELDOUT, SUITE_TASKS, TUNING, fixed_texts, word_ngrams
 from nha_retrofit.eval.retrieval import greedy_exact_matches
 from nha_retrofit.eval.report import suite_tables
-from nha_retrofit.eval.retrieval_suite import build_suite, reference_bar, run_suite
+from nha_retrofit.eval.retrieval_suite import build_suite, reference_bar, run_suite, score_suite, suite_report
 from nha_retrofit.modeling.decoding import nha_static_cache
 
 LENGTHS, DEPTHS = [700, 900], [0, 50, 100]
@@ -189,6 +189,11 @@ def test_the_result_scores_each_model_against_the_reference(tiny_tokenizer, suit
         assert result["groups"][group]["meets_bar"] == {"finetuned": {"met": 8, "of": 16},
                                                         "other": {"met": 0, "of": 16}}
     assert run_suite({"a": models["finetuned"]}, suite)["reference"] is None
+
+    # models scored apart (the quality sweep scores the original once) report exactly as when scored together
+    apart = {**score_suite({"original": models["original"]}, suite, batch_size=3),
+             **score_suite({"finetuned": models["finetuned"], "other": models["other"]}, suite, batch_size=5)}
+    assert suite_report(apart, suite, list(models)) == result
 
     low, high = (round(100 * end) for end in wilson_interval(9, 9))
     lines = suite_tables(result, list(models))
