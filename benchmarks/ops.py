@@ -267,10 +267,11 @@ def main():
     def save():  # after every measurement: a run killed by a time limit keeps what it measured
         os.makedirs(args.out_dir, exist_ok=True)
         device = torch.cuda.get_device_name()
-        with open(os.path.join(args.out_dir, f"ops_{machine_tag(device)}.json"), "w") as f:
+        stem = os.path.join(args.out_dir, f"ops_{machine_tag(device)}")
+        with open(stem + ".json", "w") as f:
             json.dump(records, f, indent=1)
         md = table(records, lengths, device)
-        with open(os.path.join(args.out_dir, f"ops_{machine_tag(device)}.md"), "w") as f:
+        with open(stem + ".md", "w") as f:
             f.write(md)
         return md
 
@@ -330,9 +331,10 @@ def merge_runs(paths, out_dir, lengths, device):
                 merged[(r["impl"], r["T"], r["window"], r["mode"])] = r
     records = list(merged.values())
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"ops_{machine_tag(device)}.json"), "w") as f:
+    stem = os.path.join(out_dir, f"ops_{machine_tag(device)}")
+    with open(stem + ".json", "w") as f:
         json.dump(records, f, indent=1)
-    with open(os.path.join(out_dir, f"ops_{machine_tag(device)}.md"), "w") as f:
+    with open(stem + ".md", "w") as f:
         f.write(table(records, lengths, device))
 
 
