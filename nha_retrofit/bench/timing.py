@@ -64,10 +64,13 @@ def decode_ms_per_step(step, cache, token, start: int, steps: int, clock: Clock,
 
 
 def fits(fn, device: torch.device):
-    """(fn(), True), or (None, False) when it ran out of device memory (freed again)."""
+    """(fn(), True), or (None, False) when it ran out of device memory (freed again). Running out while a CUDA
+    graph is instantiated raises a plain `torch.AcceleratorError`, not `torch.OutOfMemoryError`."""
     try:
         return fn(), True
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, torch.AcceleratorError) as error:
+        if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
+            raise
         free_memory(device)
         return None, False
 

@@ -9,6 +9,7 @@ from nha_retrofit.bench.decoders import COMPILED, EAGER, EVERY_WINDOW_FULL, NHA
 from nha_retrofit.bench.engine import Bench, baseline_warnings, batch_speedups, machine_tag, run_benchmark, speedups
 from nha_retrofit.bench.memory import cache_bytes, largest_batch, static_bytes_per_sequence
 from nha_retrofit.bench.options import decode_room
+from nha_retrofit.bench.timing import fits
 from nha_retrofit.modeling.nha_cache import NHAStaticCache
 from tiny_models import tiny_nha_pair
 
@@ -119,3 +120,22 @@ def test_a_float8_kv_cache_is_what_nha_decodes_on_and_what_it_holds():
                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"), ("cpu", "cpu")])
 def test_result_files_name_the_accelerator_model(name, tag):
     assert machine_tag(name) == tag
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   torch.AcceleratorError("CUDA error: out of memory")])
+def test_running_out_of_memory_is_a_batch_that_does_not_fit(error):
+    """A CUDA graph that runs out while it is instantiated raises a plain AcceleratorError: still "does not fit"."""
+    def run():
+        raise error
+
+    assert fits(run, torch.device("cpu")) == (None, False)
+    assert fits(lambda: 3.5, torch.device("cpu")) == (3.5, True)
+
+
+def test_other_accelerator_errors_are_not_taken_for_a_full_memory():
+    def run():
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+        fits(run, torch.device("cpu"))
