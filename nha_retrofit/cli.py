@@ -124,8 +124,8 @@ WindowOption = plan_option(int, "Sliding window of the NHA layers.", "window")
 SlotsOption = plan_option(int, "Slots of the NHA memory per KV head.", "slots")
 GateNormalizerOption = plan_option(float, "tau in log(alpha) = logsigmoid(g) / tau.", "gate_normalizer")
 SlotBiasOption = plan_option(float, "Initial per-head slot-logit offset (0 = the paper).", "slot_bias_init")
-GateBiasOption = plan_option(float, "Initial gate-logit bias of every slot (left out: no bias); b > 0 lengthens the "
-                             "slots' memory, alpha = sigmoid(g + b) ** (1 / tau).", "gate_bias_init")
+GateBiasOption = plan_option(float, "Initial gate-logit bias of every slot: b > 0 lengthens the slots' memory, "
+                             "alpha = sigmoid(g + b) ** (1 / tau); 0 is the paper's gates.", "gate_bias_init")
 DeviceOption = Annotated[str, typer.Option(help="auto (CUDA if present), cpu or cuda[:N].")]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results to this file.")]
 

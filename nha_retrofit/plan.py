@@ -40,7 +40,7 @@ class PlanSpec:
     slots: int = 64
     gate_normalizer: float = 8.0
     slot_bias_init: float = -4.0
-    gate_bias_init: float | None = None  # None: no gate bias; b > 0 lengthens the slots' memory at conversion
+    gate_bias_init: float | None = 8.0  # b > 0 lengthens the slots' memory at conversion; None: no gate bias
 
     def __post_init__(self):
         if self.windows is not None:

@@ -22,7 +22,7 @@ def test_evenly_spaced_full_layers():
 
 
 def test_plan_table_counts_parameters_and_cache_bytes():
-    table = plan_table(CONFIG, PlanSpec(select="even", full_layers=1, window=3, slots=5))
+    table = plan_table(CONFIG, PlanSpec(select="even", full_layers=1, window=3, slots=5, gate_bias_init=None))
     # head dim 48 / 6 = 8; per layer 2 KV heads * 5 slots * 48 gate weights + 6 slot biases = 486 parameters; a full
     # layer caches 2 * 2 heads * 8 * 4 bytes = 128 B per token; an NHA layer 2*2*5*8*4 + 3*(2*(3*8*4 + 4*5) + 1) + 9
     assert "full attention at [1]" in table
@@ -40,8 +40,10 @@ def test_a_gate_bias_adds_one_parameter_per_slot_and_is_written_into_the_config(
     assert "slot bias init -4, gate bias init 4)" in table
     assert "| 0 | 3 | 5 | 496 | 1,348 B fixed |" in table  # 486 + 2 KV heads * 5 slots; the cache does not change
     assert build_plan(4, spec).config_fields()["nha_gate_bias_init"] == 4.0
-    assert build_plan(4, PlanSpec(select="even")).config_fields()["nha_gate_bias_init"] is None
-    assert "gate bias" not in plan_table(CONFIG, PlanSpec(select="even", full_layers=1))
+    assert build_plan(4, PlanSpec(select="even")).config_fields()["nha_gate_bias_init"] == 8.0  # the default
+    no_bias = PlanSpec(select="even", full_layers=1, gate_bias_init=None)
+    assert build_plan(4, no_bias).config_fields()["nha_gate_bias_init"] is None
+    assert "gate bias" not in plan_table(CONFIG, no_bias)
 
 
 @pytest.mark.parametrize(

@@ -40,14 +40,14 @@ def tiny_model(windows=(8, None, 8, 0)):
     ("llama3-8b", 8_030_261_248), ("qwen2.5-7b", 7_615_616_512), ("qwen3-30b-a3b", 30_532_122_624)])
 def test_named_configs_have_the_published_sizes(name, parameters):
     """Built without memory (meta device): the original's parameter count is the published model's, and NHA adds
-    a gate projection and slot offsets per layer."""
+    a gate projection (with the default gate bias) and slot offsets per layer."""
     config = NAMED_CONFIGS[name]
     plan = build_plan(config["num_hidden_layers"], PlanSpec(select="even"))
     model = random_nha_model(config, plan, "meta", torch.bfloat16)
     assert model.dtype == torch.bfloat16 and model.config.nha_windows == list(plan.windows)
     assert sum(p.numel() for p in original_sharing_weights(model).parameters()) == parameters
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    added = config["num_hidden_layers"] * (kv_heads * 64 * config["hidden_size"] + heads)
+    added = config["num_hidden_layers"] * (kv_heads * 64 * (config["hidden_size"] + 1) + heads)
     assert sum(p.numel() for p in model.parameters()) == parameters + added
 
 

@@ -75,12 +75,12 @@ def test_gate_projection_starts_from_key_projection(tiny_llama_folder, tmp_path,
 def test_gate_bias_lengthens_the_slot_memory_and_travels_with_the_checkpoint(tiny_llama_folder, tmp_path):
     """--gate-bias-init b: every layer's g_proj gets the bias b beside the same weights, so each gate logit moves by
     b and alpha = sigmoid(g + b) ** (1 / tau) comes nearer 1; the in-memory build is the written checkpoint, and
-    the checkpoint runs where nha_retrofit is absent. Without it there is no bias, as before."""
+    the checkpoint runs where nha_retrofit is absent. With None there is no bias, as in checkpoints made before."""
     from nha_retrofit.conversion.converter import build_nha_model
     from nha_retrofit.ops.nha.gates import gate_log_alpha
     from nha_retrofit.plan import build_plan
 
-    spec = PlanSpec(select="even", full_layers=1, window=3, slots=5)
+    spec = PlanSpec(select="even", full_layers=1, window=3, slots=5, gate_bias_init=None)
     biased_spec = PlanSpec(select="even", full_layers=1, window=3, slots=5, gate_bias_init=3.0)
     plain = load_nha_checkpoint(convert(tiny_llama_folder, tmp_path / "plain", spec, log=lambda *_: None))
     out = convert(tiny_llama_folder, tmp_path / "biased", biased_spec, log=lambda *_: None)

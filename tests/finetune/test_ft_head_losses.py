@@ -152,8 +152,9 @@ def test_memory_projection_of_the_llama3_recipe_at_its_real_size(tmp_path, monke
                  "data.seq_len=64", f"train.output_dir={tmp_path / 'run'}"]
     plan = finetune(recipe, overrides, dry_run=True, log=lambda *_: None)
     full = 5  # the default count, one layer in six; a weightless model cannot be probed, so they are placed evenly
-    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 8 * 64 + 32  # q, o, k, v, gates, slot offsets
-    trainable, total = (32 - full) * per_layer, 8_030_261_248 + 32 * (4096 * 8 * 64 + 32)
+    gates = (4096 + 1) * 8 * 64  # the gate projection and its bias (the recipe's gate_bias_init)
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + gates + 32  # q, o, k, v, gates, slot offsets
+    trainable, total = (32 - full) * per_layer, 8_030_261_248 + 32 * (gates + 32)
     assert plan["trainable_parameters"] == trainable and plan["total_parameters"] == total
     memory, gib = plan["memory_per_gpu_gib"], 2**30
     assert memory["sharding"] == "none" and memory["processes"] == 1

@@ -62,7 +62,7 @@ def test_gates_only_with_checkpointing_and_bf16(world, tmp_path):
     start = load_model(resolve_source(load_recipe(recipe).model)).state_dict()
     trained = state_dict(tmp_path / "run" / "model")
     changed = {k for k in start if not torch.equal(start[k], trained[k])}
-    assert changed and all(k.endswith(("g_proj.weight", "slot_bias")) for k in changed)
+    assert changed and all(k.endswith(("g_proj.weight", "g_proj.bias", "slot_bias")) for k in changed)
 
 
 def test_lora_merges_into_plain_checkpoint(world, tmp_path):
@@ -192,7 +192,7 @@ def test_attention_transfer_trains_only_gates(world, tmp_path):
     start = load_model(resolve_source(load_recipe(recipe).model)).state_dict()
     trained = state_dict(tmp_path / "run" / "model")
     changed = {k for k in start if not torch.equal(start[k], trained[k])}
-    assert changed and all(k.endswith(("g_proj.weight", "slot_bias")) for k in changed)
+    assert changed and all(k.endswith(("g_proj.weight", "g_proj.bias", "slot_bias")) for k in changed)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     transfer = [r["transfer"] for r in rows if "transfer" in r]
     assert len(transfer) == 2 and all(t > 0 for t in transfer)
