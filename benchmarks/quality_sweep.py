@@ -124,7 +124,8 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         windows = list(model.config.nha_windows)
         plan = {"full_layer_ids": [i for i, w in enumerate(windows) if w is None],
                 "window": max((w for w in windows if w is not None), default=0),
-                "slots": model.config.nha_num_slots, "layers": len(windows)}
+                "slots": model.config.nha_num_slots, "layers": len(windows),
+                "gate_bias_init": model.config.nha_gate_bias_init}
         del model
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         before, after = summary.get("before", {}), summary.get("after", {})
@@ -139,6 +140,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
                       + (f"; the NHA model through a static cache in {args.kv_cache_dtype}" if args.kv_cache_dtype
                          else ""),
             "overrides": overrides,
+            "trainable": summary.get("trainable"),
             "lm_tokens": args.tokens,
             "tokens": summary.get("tokens"),
             "train_wall_time_s": summary.get("wall_time_s"),
@@ -187,18 +189,18 @@ def report(path: Path, image: Path | None) -> str:
     from nha_retrofit.bench.engine import machine_tag
 
     results = json.loads(path.read_text())
-    lines = ["| setting | GPU | full layers | window | LM tokens | train s | "
+    lines = ["| setting | GPU | full layers | window | gate bias | trained | LM tokens | train s | "
              "retrieval vs original (tuning / held-out) | python-docs | python-stdlib | Hamlet | "
              "cache at 8K (SmolLM2 / 8B shape) | cache at 32K, 8B shape |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     points = []
     for name, row in results["rows"].items():
         summary = row_summary(row)
-        ppl = summary["perplexity_ratio"]
+        ppl, gate_bias = summary["perplexity_ratio"], row["plan"]["gate_bias_init"]
         retrieval = " / ".join("-" if value is None else f"{value:.2f}" for value in summary["retrieval"].values())
         lines.append(
             f"| {name} | {machine_tag(row['machine'])} | {row['plan']['full_layer_ids']} | {row['plan']['window']} | "
-            f"{row['lm_tokens'] / 1e6:.2f}M | "
+            f"{'-' if gate_bias is None else f'{gate_bias:g}'} | {row['trainable']} | {row['lm_tokens'] / 1e6:.2f}M | "
             f"{row['train_wall_time_s']:.0f} | {retrieval} | {ppl['python-docs']:.3f} | {ppl['python-stdlib']:.3f} | "
             f"{ppl['shakespeare']:.3f} | {summary['own']['cache_ratio_8192']:.3f} / "
             f"{summary['llama3_8b']['cache_ratio_8192']:.3f} | {summary['llama3_8b']['cache_ratio_32768']:.3f} |")
@@ -211,9 +213,11 @@ def report(path: Path, image: Path | None) -> str:
         import matplotlib.pyplot as plt
 
         figure, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-        colors, markers = plt.get_cmap("tab20"), "osD^v<>p*h"
+        colors, markers = plt.get_cmap("tab20"), "osD^v<>p*"  # 20 colours x 9 markers: 180 distinct points
         for i, (name, summary) in enumerate(points):  # a legend, not labels: many settings share one cost
             style = {"color": colors(i % 20), "marker": markers[i % len(markers)], "label": name}
+            if name == "default":  # the shipped setting stands out
+                style.update(s=90, edgecolors="black", linewidths=1.2)
             retrieval = summary["retrieval"].get("tuning")
             if retrieval is not None:
                 axes[0].scatter(summary["own"]["cache_ratio_8192"], retrieval, **style)

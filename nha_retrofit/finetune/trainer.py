@@ -379,7 +379,8 @@ class Run:
             if acc.is_main_process:
                 self.log(f"resumed from {last} (step {run.step}, {run.tokens:,} tokens)")
         else:
-            run.summary = {"machine": machine_description(), "plan": plan, "trainable_parameters": trainable,
+            run.summary = {"machine": machine_description(), "plan": plan, "trainable": self.recipe.train.trainable,
+                           "trainable_parameters": trainable,
                            "total_parameters": total, "data": data.describe()}
         return run
 

@@ -29,23 +29,27 @@ def suite_row(rng: random.Random, lengths: int = 4) -> tuple[dict, dict]:
 def test_report_names_each_rows_gpu_and_its_retrieval_ratio(tmp_path, seed):
     rng = random.Random(seed)
     rows, expected = {}, {}
-    for name, machine, layers in (("a", "1 x NVIDIA H200", [7, 14]), ("b", "1 x NVIDIA H100 80GB HBM3", [3])):
+    settings = (("a", "1 x NVIDIA H200", [7, 14], 8.0, "full"), ("b", "1 x NVIDIA H100 80GB HBM3", [3], None, "lora"))
+    for name, machine, layers, gate_bias, trainable in settings:
         suite, expected[name] = suite_row(rng)
-        rows[name] = {"machine": machine, "lm_tokens": 2_457_600, "train_wall_time_s": rng.uniform(100, 500),
+        rows[name] = {"machine": machine, "trainable": trainable, "lm_tokens": 2_457_600,
+                      "train_wall_time_s": rng.uniform(100, 500),
                       "suite": suite, "perplexity_ratio": {t: rng.uniform(0.8, 1.5) for t in
                                                            ("python-docs", "python-stdlib", "shakespeare")},
-                      "plan": {"full_layer_ids": layers, "window": 256, "slots": 64, "layers": 30}}
+                      "plan": {"full_layer_ids": layers, "window": 256, "slots": 64, "layers": 30,
+                               "gate_bias_init": gate_bias}}
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"rows": rows}))
     lines = quality_sweep.report(path, None).splitlines()
     assert lines[0].startswith("| setting | GPU |") and len(lines) == 4
-    for line, (name, tag) in zip(lines[2:], (("a", "h200"), ("b", "h100"))):
+    for line, (name, tag, gate_bias, trainable) in zip(lines[2:], (("a", "h200", "8", "full"),
+                                                                   ("b", "h100", "-", "lora"))):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:2] == [name, tag]
-        assert cells[6] == f"{expected[name]['tuning']:.2f} / {expected[name]['heldout']:.2f}"
-        assert cells[9] == f"{rows[name]['perplexity_ratio']['shakespeare']:.3f}"
+        assert cells[:2] == [name, tag] and cells[4:6] == [gate_bias, trainable]
+        assert cells[8] == f"{expected[name]['tuning']:.2f} / {expected[name]['heldout']:.2f}"
+        assert cells[11] == f"{rows[name]['perplexity_ratio']['shakespeare']:.3f}"
     # more full layers cost more cache at 8K
-    assert float(lines[2].split("|")[11].split("/")[0]) > float(lines[3].split("|")[11].split("/")[0])
+    assert float(lines[2].split("|")[13].split("/")[0]) > float(lines[3].split("|")[13].split("/")[0])
 
 
 def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tiny_finetuned_checkpoint):
@@ -56,7 +60,7 @@ def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tin
 
     root, output = tmp_path / "runs", tmp_path / "sweep.json"
     shutil.copytree(tiny_finetuned_checkpoint, root / "tiny" / "model")
-    summary = {"machine": "1 x NVIDIA H100 80GB HBM3", "tokens": 4096, "wall_time_s": 12.5,
+    summary = {"machine": "1 x NVIDIA H100 80GB HBM3", "trainable": "attention", "tokens": 4096, "wall_time_s": 12.5,
                "before": {f"{t}_original_ppl": 10.0 + i for i, t in enumerate(("python-docs", "python-stdlib",
                                                                                 "shakespeare"))},
                "after": {f"{t}_ppl": 11.0 + 2 * i for i, t in enumerate(("python-docs", "python-stdlib",
@@ -71,7 +75,9 @@ def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tin
     assert list(rows) == ["tiny", "tiny+kv_float8_e4m3"]
     row = rows["tiny"]
     assert row["machine"] == summary["machine"] and row["overrides"] == ["train.lr=1e-4"]
-    assert row["plan"] == {"full_layer_ids": [0], "window": 8, "slots": 5, "layers": 4}
+    gate_bias = json.loads((tiny_finetuned_checkpoint / "config.json").read_text())["nha_gate_bias_init"]
+    assert row["plan"] == {"full_layer_ids": [0], "window": 8, "slots": 5, "layers": 4, "gate_bias_init": gate_bias}
+    assert row["trainable"] == "attention"
     assert row["perplexity_ratio"] == pytest.approx({"python-docs": 1.1, "python-stdlib": 13 / 11,
                                                      "shakespeare": 15 / 12})
     assert set(row["suite"]["groups"]) == {"tuning"} and "kv_cache" not in row["suite"]
