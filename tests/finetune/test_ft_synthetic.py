@@ -50,6 +50,39 @@ def test_an_exercise_keeps_the_length_and_asks_only_records_it_holds(tokenizer):
     assert asked >= 12  # at least one record asked back per exercise
 
 
+def asked_values(text: str) -> list[str]:
+    """Every value a question of the exercise `text` asks back."""
+    values = []
+    for _, question in RECORD_FORMATS:
+        pattern = re.escape(question.strip()).replace(r"\{key\}", r"(\S+)").replace(r"\{value\}", r"(\S+?)")
+        values += [value for _, value in re.findall(pattern + r"(?:\.|\n|$)", text)]
+    return values
+
+
+@pytest.mark.parametrize("kind, shape", [("number", r"\d{3,8}"), ("hex", r"[0-9a-f]{6,12}"),
+                                         ("syllables", r"[a-z]{4,9}"), ("word", r"[A-Za-z]{4,12}")])
+def test_each_value_kind_is_what_the_records_hold(tokenizer, kind, shape):
+    """`data.synthetic.values`: a record's value is of the kinds listed; a `word` is one of the block's own words."""
+    exercises = RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=5, values=(kind,))
+    values = []
+    for index in range(10):
+        block = prose_block(tokenizer, index)
+        kept = tokenizer.decode(block[: SEQ_LEN // 2]).split()
+        asked = asked_values(tokenizer.decode(exercises.apply(block, index)))
+        assert all(re.fullmatch(shape, value) for value in asked), asked
+        if kind == "word":
+            assert all(value in kept for value in asked)
+        values += asked
+    assert len(values) >= 10 and len(set(values)) > 3
+
+
+def test_value_kinds_are_checked(tokenizer):
+    with pytest.raises(ValueError, match="choose among number, hex, syllables, word"):
+        RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=5, values=("words",))
+    with pytest.raises(ValueError, match="choose among"):
+        RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=5, values=())
+
+
 def test_the_share_is_drawn_per_block_and_repeats_exactly(tokenizer):
     exercises = RecallExercises(tokenizer, SEQ_LEN, share=0.5, records=3, seed=0)
     block = prose_block(tokenizer, 0)
