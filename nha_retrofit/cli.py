@@ -106,16 +106,14 @@ RevisionOption = Annotated[str | None, typer.Option(help="Branch, tag or commit 
 TokenOption = Annotated[str | None, typer.Option(help="Hub token (default: HF_TOKEN or `hf auth login`).")]
 
 
-def plan_option(kind: type, text: str, field: str, unset: str = "none"):
-    """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help;
-    `unset` describes a default of None)."""
+def plan_option(kind: type, text: str, field: str):
+    """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help)."""
     default = getattr(PlanSpec, field)
-    shown = str(default) if default is not None else unset
+    shown = str(default) if default is not None else f"one layer in {FULL_LAYER_SHARE}"
     return Annotated[kind | None, typer.Option(help=text, show_default=shown)]
 
 
-FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers",
-                               f"one layer in {FULL_LAYER_SHARE}")
+FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers")
 FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exactly these full layers, e.g. 2,9,17,25.")]
 SelectOption = plan_option(str, "Where --full-layers go: retrieval (the layers whose heads retrieve most, from a "
                            "probe of the original), even, first or last.", "select")

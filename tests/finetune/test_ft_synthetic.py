@@ -28,6 +28,15 @@ def prose_block(tokenizer, seed: int) -> torch.Tensor:
     return torch.tensor(tokenizer("\n".join(lines))["input_ids"][:SEQ_LEN])
 
 
+def asked_records(text: str) -> list[tuple[str, str, str, str]]:
+    """(record format, question format, key, value) of every question the exercise `text` asks back."""
+    asked = []
+    for record, question in RECORD_FORMATS:
+        pattern = re.escape(question.strip()).replace(r"\{key\}", r"(\S+)").replace(r"\{value\}", r"(\S+?)")
+        asked += [(record, question, key, value) for key, value in re.findall(pattern + r"(?:\.|\n|$)", text)]
+    return asked
+
+
 def test_an_exercise_keeps_the_length_and_asks_only_records_it_holds(tokenizer):
     exercises = RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=3)
     asked = 0
@@ -37,26 +46,15 @@ def test_an_exercise_keeps_the_length_and_asks_only_records_it_holds(tokenizer):
         assert out.shape == block.shape and out.dtype == block.dtype
         text = tokenizer.decode(out)
         assert not torch.equal(out, block)
-        for record, question in RECORD_FORMATS:
-            pattern = re.escape(question.strip()).replace(r"\{key\}", r"(\S+)").replace(r"\{value\}", r"(\S+?)")
-            for key, value in re.findall(pattern + r"(?:\.|\n|$)", text):
-                asked += 1
-                record_text = record.strip().format(key=key, value=value)
-                first_question = text.index(question.strip().format(key=key, value=value))
-                assert record_text in text[:first_question], (record_text, index)
+        for record, question, key, value in asked_records(text):
+            asked += 1
+            record_text = record.strip().format(key=key, value=value)
+            first_question = text.index(question.strip().format(key=key, value=value))
+            assert record_text in text[:first_question], (record_text, index)
         quote = re.search(r'The line starting with "(.+)" continues: (.+)\n', text)
         if quote:
             assert f"{quote.group(1)} {quote.group(2)}" in text[: quote.start()]
     assert asked >= 12  # at least one record asked back per exercise
-
-
-def asked_values(text: str) -> list[str]:
-    """Every value a question of the exercise `text` asks back."""
-    values = []
-    for _, question in RECORD_FORMATS:
-        pattern = re.escape(question.strip()).replace(r"\{key\}", r"(\S+)").replace(r"\{value\}", r"(\S+?)")
-        values += [value for _, value in re.findall(pattern + r"(?:\.|\n|$)", text)]
-    return values
 
 
 @pytest.mark.parametrize("kind, shape", [("number", r"\d{3,8}"), ("hex", r"[0-9a-f]{6,12}"),
@@ -68,7 +66,7 @@ def test_each_value_kind_is_what_the_records_hold(tokenizer, kind, shape):
     for index in range(10):
         block = prose_block(tokenizer, index)
         kept = tokenizer.decode(block[: SEQ_LEN // 2]).split()
-        asked = asked_values(tokenizer.decode(exercises.apply(block, index)))
+        asked = [value for *_, value in asked_records(tokenizer.decode(exercises.apply(block, index)))]
         assert all(re.fullmatch(shape, value) for value in asked), asked
         if kind == "word":
             assert all(value in kept for value in asked)
