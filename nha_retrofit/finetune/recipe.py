@@ -55,18 +55,11 @@ class ModelSection(Section):
     convert: PlanSpec | None = None  # plan for an original model (omitted keys: PlanSpec's defaults)
 
 
-# what a recall record's value can be, drawn evenly among those a recipe lists: a number, a hex string, a made-up word
-# of syllables, or a word of the block's own text (a needle that looks like the words around it)
-RECALL_VALUES = ("number", "hex", "syllables", "word")
-DEFAULT_RECALL_VALUES = ("number", "hex", "syllables")
-
-
 class SyntheticSection(Section):
     """Recall exercises mixed into the training blocks (`finetune/synthetic.py`)."""
 
     share: Annotated[float, Field(ge=0, le=1)] = 0.0  # of training blocks turned into an exercise; 0 disables them
     records: AtLeastOne = 4  # record lines written into an exercise block (some asked back at its end)
-    values: Annotated[list[Literal[RECALL_VALUES]], Field(min_length=1)] = list(DEFAULT_RECALL_VALUES)
 
 
 class DataSection(Section):
@@ -236,9 +229,7 @@ def describe(error: dict) -> str:
         text = f"unknown key, did you mean {close[0]}?" if close else (
             f"unknown key ({key_path(loc[:-1]) or 'the recipe'} accepts {', '.join(sorted(known))})")
     elif kind == "literal_error":
-        entry = isinstance(loc[-1], int)  # an entry of a list of choices: list[Literal[...]]
-        annotation = keys_at(loc[:-2] if entry else loc[:-1]).get(loc[-2] if entry else loc[-1])
-        choices = typing.get_args(typing.get_args(annotation)[0] if entry else annotation)
+        choices = typing.get_args(keys_at(loc[:-1]).get(loc[-1]))
         text = f"expected one of {', '.join(map(str, choices))}, got {value!r}"
     elif kind.split("_")[0] in EXPECTED:
         text = f"expected {EXPECTED[kind.split('_')[0]]}, got {value!r}"

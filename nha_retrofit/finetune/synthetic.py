@@ -7,21 +7,16 @@ part, and the block ends by asking some of them back (the record's key, then its
 earlier line of the block from its first words. Every token keeps its ordinary next-token loss and the teacher's KL,
 so the recall is learnt from the answers' tokens and the rest of the block still trains language modelling.
 
-Values are numbers, hex strings and made-up words by default; `word` values are words of the block's own text, a
-needle that looks like the text around it. The wording, keys and values here are the training side's own: the
-retrieval suite (`eval/needles.py`) must share no template with them (a test checks it), so the suite measures
-retrieval, not these formats.
+The wording, keys and values here are the training side's own: the retrieval suite (`eval/needles.py`)
+must share no template with them (a test checks it), so the suite measures retrieval, not these formats.
 Exercises are deterministic given the data seed and the block's index in the stream, hence exact on resume.
 """
 
 from __future__ import annotations
 
 import random
-import re
 
 import torch
-
-from .recipe import DEFAULT_RECALL_VALUES, RECALL_VALUES
 
 # (record line, question that asks it back): `{key}` and `{value}` are filled in; the question ends with the value
 RECORD_FORMATS = (
@@ -31,7 +26,6 @@ RECORD_FORMATS = (
     ("\n({key} is filed as {value})\n", "\nFiled as, for {key}: {value}\n"),
 )
 LINE_QUOTE = ("\nThe line starting with \"{head}\" continues:", " {tail}\n")
-TEXT_WORD = re.compile(r"\b[A-Za-z]{4,12}\b")
 SYLLABLES = ("ka", "ro", "mi", "tu", "zen", "lo", "vex", "qua", "dri", "po", "sul", "ne", "bri", "tor", "xi", "fa")
 
 
@@ -43,26 +37,20 @@ def _key(rng: random.Random) -> str:
     return f"{_pseudo_word(rng).upper()}-{rng.randint(10, 999)}"
 
 
-def _value(rng: random.Random, kinds: tuple[str, ...], text_words: list[str]) -> str:
-    kind = kinds[rng.randrange(len(kinds))]
-    if kind == "number":
+def _value(rng: random.Random) -> str:
+    kind = rng.randrange(3)
+    if kind == 0:
         return str(rng.randrange(10 ** rng.randint(3, 7), 10 ** 8))
-    if kind == "hex":
+    if kind == 1:
         return "".join(rng.choice("0123456789abcdef") for _ in range(rng.randint(6, 12)))
-    if kind == "word" and text_words:
-        return rng.choice(text_words)
-    return _pseudo_word(rng)  # "syllables", or "word" in a block without a word of 4-12 letters
+    return _pseudo_word(rng)
 
 
 class RecallExercises:
     """Turns a share of training blocks into recall exercises over their own text (see the module docstring)."""
 
-    def __init__(self, tokenizer, seq_len: int, share: float, records: int, seed: int,
-                 values: tuple[str, ...] = DEFAULT_RECALL_VALUES):
-        if not values or set(values) - set(RECALL_VALUES):
-            raise ValueError(f"values {list(values)}: choose among {', '.join(RECALL_VALUES)}")
+    def __init__(self, tokenizer, seq_len: int, share: float, records: int, seed: int):
         self.tokenizer, self.seq_len, self.share, self.records, self.seed = tokenizer, seq_len, share, records, seed
-        self.values = tuple(values)
         newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
         self.newline = newline[-1] if newline else None
 
@@ -75,12 +63,10 @@ class RecallExercises:
         if rng.random() >= self.share:
             return block
         ids = block.tolist()
-        # words from the half of the block that is always kept
-        text_words = TEXT_WORD.findall(self.tokenizer.decode(ids[: self.seq_len // 2])) if "word" in self.values else []
         records, questions = [], []
         for _ in range(self.records):
             record, question = rng.choice(RECORD_FORMATS)
-            key, value = _key(rng), _value(rng, self.values, text_words)
+            key, value = _key(rng), _value(rng)
             records.append(self._encode(record.format(key=key, value=value)))
             questions.append(self._encode(question.format(key=key, value=value)))
         rng.shuffle(questions)
@@ -131,7 +117,7 @@ class MixedBlocks:
 
     def describe(self) -> str:
         return (f"{self.blocks.describe()}; {self.exercises.share:.0%} of blocks carry {self.exercises.records} "
-                f"recall records ({', '.join(self.exercises.values)})")
+                "recall records")
 
     def next_blocks(self, count: int) -> torch.Tensor:
         rows = self.blocks.next_blocks(count)

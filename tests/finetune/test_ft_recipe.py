@@ -40,10 +40,6 @@ def test_defaults_and_types():
         (minimal(eval={"heldout_texts": ["poems"]}), "recipe key eval.heldout_texts[0]: 'poems'"),
         (minimal(train={"betas": [0.9, 1.0]}), "recipe key train.betas[1]: 1.0: must be < 1"),
         (minimal(data={"files": ["a"], "synthetic": {"share": 1.5}}), "recipe key data.synthetic.share: 1.5: must be <= 1"),
-        (minimal(data={"files": ["a"], "synthetic": {"values": ["word", "words"]}}),
-         "recipe key data.synthetic.values[1]: expected one of number, hex, syllables, word, got 'words'"),
-        (minimal(data={"files": ["a"], "synthetic": {"values": []}}),
-         "recipe key data.synthetic.values: []: expected at least 1"),
         (minimal(train={"lr": float("nan")}), "recipe key train.lr: expected a finite number"),
         (minimal(model={"path": "x", "convert": {"slots": 0}}), "recipe key model.convert.slots: 0: at least one slot"),
         (minimal(model={"path": "x", "convert": {"widow": 32}}), "recipe key model.convert.widow: unknown key, did you "
