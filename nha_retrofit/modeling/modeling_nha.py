@@ -22,6 +22,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
 from ..ops.nha.dispatch import nha_operator
 from .decode_graph import DecodeGraph
+from .fused_step import fused_decoder_layers
 from .nha_cache import NHACache, NHAStaticCache, StaticFullLayer
 
 
@@ -259,14 +260,16 @@ class NHAForCausalLMMixin:
         return not hasattr(self.config, "num_experts") or self.config._experts_implementation != "eager"
 
     def _replayed_step(self, input_ids, position_ids, token_mask, cache):
-        """A one-token step on a static CUDA cache through its `DecodeGraph` (captured at the first such step)."""
+        """A one-token step on a static CUDA cache through its `DecodeGraph` (captured at the first such step), each
+        decoder layer's norms, residual adds and gated MLP fused (`fused_step.py`)."""
         if cache.decode_graph is None:
             cache.decode_graph = DecodeGraph(input_ids.shape[0], input_ids.device)
         if position_ids is None:  # as the model would compute them: after the filled positions
             position_ids = cache.positions.length.view(1, 1).expand(input_ids.shape[0], 1)
 
         def step(ids, positions, mask):
-            return self._step(ids, None, positions, None, None, True, 1, cache, nha_padding_mask=mask)
+            with fused_decoder_layers(self.model.layers):
+                return self._step(ids, None, positions, None, None, True, 1, cache, nha_padding_mask=mask)
 
         output = cache.decode_graph(step, input_ids, position_ids, token_mask)
         output[CACHE_ARGUMENT] = cache

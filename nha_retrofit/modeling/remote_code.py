@@ -16,6 +16,7 @@ REMOTE_CODE_FILES = {
     "modeling_nha.py": _MODELING / "modeling_nha.py",
     "nha_cache.py": _MODELING / "nha_cache.py",
     "decode_graph.py": _MODELING / "decode_graph.py",
+    "fused_step.py": _MODELING / "fused_step.py",
     "dispatch.py": _OPERATOR / "dispatch.py",
     "chunk_torch.py": _OPERATOR / "chunk_torch.py",
     "recurrent_torch.py": _OPERATOR / "recurrent_torch.py",
