@@ -141,15 +141,16 @@ def test_static_cache_errors_name_the_limit():
 @pytest.mark.parametrize("windows", [[64, None, 64, 64], [0, 4, None, 8]])
 def test_graph_replayed_decode_equals_eager_decode_on_the_gpu(windows):
     """On CUDA (the Triton decode step): bf16 steps replayed from the CUDA graph give the eager static steps' tokens
-    and logits; in float32, `generate` on the static cache (graph-replayed) gives the dynamic cache's tokens and
-    logits within 1e-4 (bf16 would let near-tied random logits flip a greedy token)."""
+    and logits (the fused layers uncompiled, so both run the same operations); in float32, `generate` on the static
+    cache (graph-replayed, the fused layers compiled) gives the dynamic cache's tokens and logits within 1e-4 (bf16
+    would let near-tied random logits flip a greedy token)."""
     _, nha = tiny_nha_pair(windows, slots=16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     ids, mask = left_padded_ids([40, 23, 9], 40, seed=5)
     ids, mask = ids.cuda(), mask.cuda()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     nha = nha.to("cuda", torch.bfloat16)
     runs = {}
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         for graph in (False, True):
             cache = NHAStaticCache(nha.config, 3, 60, torch.bfloat16, "cuda", cuda_graph=graph)
             out = nha(ids, attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
