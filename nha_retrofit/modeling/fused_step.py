@@ -64,11 +64,13 @@ def decoder_layer_step(layer, hidden_states, **kwargs):
 
 @contextlib.contextmanager
 def fused_decoder_layers(layers):
-    """Inside: each of `layers` steps through `decoder_layer_step`."""
-    for layer in layers:
+    """Inside: each of `layers` steps through `decoder_layer_step`, except a layer whose forward is already wrapped
+    (accelerate's device-map hooks set it on the instance: they move the inputs to the layer's device)."""
+    fused = [layer for layer in layers if "forward" not in vars(layer)]
+    for layer in fused:
         layer.forward = functools.partial(decoder_layer_step, layer)
     try:
         yield
     finally:
-        for layer in layers:
+        for layer in fused:
             del layer.forward

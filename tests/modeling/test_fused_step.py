@@ -37,14 +37,20 @@ def test_fused_layers_step_as_their_own_forwards(family):
     assert not any("forward" in vars(layer) for layer in model.model.layers)  # the context restored the forwards
 
 
-def test_the_context_restores_the_layers_after_an_error():
+def test_the_context_restores_the_layers_after_an_error_and_leaves_wrapped_ones_alone():
+    """A forward already set on the instance (accelerate's device-map hook) is kept, inside and after."""
     _, nha = tiny_nha_pair([3, None, 0, 5])
     layers = nha.model.layers
+    hooked = layers[1].forward
+    layers[1].forward = hooked
     with pytest.raises(RuntimeError, match="inside"):
         with fused_decoder_layers(layers):
-            assert all(vars(layer)["forward"].func is decoder_layer_step for layer in layers)
+            fused = [getattr(vars(layer)["forward"], "func", None) is decoder_layer_step for layer in layers]
+            assert fused == [True, False, True, True]
+            assert vars(layers[1])["forward"] is hooked
             raise RuntimeError("inside")
-    assert not any("forward" in vars(layer) for layer in layers)
+    assert [("forward" in vars(layer)) for layer in layers] == [False, True, False, False]
+    assert vars(layers[1])["forward"] is hooked
 
 
 @pytest.mark.slow
