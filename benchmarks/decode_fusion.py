@@ -1,6 +1,7 @@
 """What the fused decoder-layer step (`nha_retrofit/modeling/fused_step.py`) saves: NHA decode at Llama-3-8B's shape
-(random bf16 weights, the default plan, batch 1) on the shipped CUDA-graph path, with the layers' norms, residual adds
-and gated MLP fused (as shipped) and unfused (the layers' own forwards inside the same graph), in alternating rounds.
+(random bf16 weights, the default plan, batch 1) on the shipped CUDA-graph path, with the layers' norms, residual adds,
+gated MLP and attention projections with RoPE fused (as shipped) and unfused (the layers' own forwards inside the same
+graph), in alternating rounds.
 
     python benchmarks/decode_fusion.py --output benchmarks/results/decode_fusion_h100.json     (CUDA; ~2 minutes)
 

@@ -1,5 +1,6 @@
-"""A decoder layer's one-token step with its small work fused: the RMSNorms, the residual adds and (dense families)
-the gated MLP run as torch.compile'd functions around the layer's own attention (and MoE experts).
+"""A decoder layer's one-token step with its small work fused: the RMSNorms, the residual adds, (dense families) the
+gated MLP, and in the attention the q/k/v projections with Qwen3's q/k norms and RoPE run as torch.compile'd functions
+around the attention's own cache reads (and MoE experts).
 
 Between its matmuls, a layer's eager step runs a dozen elementwise kernels (an RMSNorm alone is five, each reading
 the hidden state again); compiled, each group between two matmuls is one kernel. On Llama-3-8B's shape at batch 1
@@ -21,6 +22,26 @@ def _rms_norm(hidden, weight, eps: float):
     normed = hidden.float()
     normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(hidden.dtype)
+
+
+def _rotate(x, cos, sin):
+    """RoPE on [B, T, heads, D] with cos / sin [B, T, D]: x cos + (-x2, x1) sin, x1 and x2 the halves of D."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rotary_qkv(hidden, head_dim: int, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, q_norm, k_norm,
+                eps: float, cos, sin):
+    """An attention's (q, k, v, q_rope, k_rope) as `NHAAttentionMixin.rotary_qkv` computes them; q_norm and k_norm
+    are the weights of Qwen3's per-head RMSNorms (None elsewhere)."""
+    shape = (*hidden.shape[:-1], -1, head_dim)
+    q = F.linear(hidden, q_weight, q_bias).view(shape)
+    k = F.linear(hidden, k_weight, k_bias).view(shape)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    v = F.linear(hidden, v_weight, v_bias).view(shape)
+    return q, k, v, _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _add_rms_norm(residual, update, weight, eps: float):
@@ -62,15 +83,27 @@ def decoder_layer_step(layer, hidden_states, **kwargs):
     return hidden + (update[0] if isinstance(update, tuple) else update)  # MoE blocks may return router logits too
 
 
+def attention_rotary_qkv(attention, hidden_states, position_embeddings):
+    """`attention.rotary_qkv` through the compiled `_rotary_qkv`."""
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    return compiled(_rotary_qkv)(
+        hidden_states, attention.head_dim, attention.q_proj.weight, attention.q_proj.bias, attention.k_proj.weight,
+        attention.k_proj.bias, attention.v_proj.weight, attention.v_proj.bias,
+        q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+        q_norm.variance_epsilon if q_norm is not None else 0.0, *position_embeddings)
+
+
 @contextlib.contextmanager
 def fused_decoder_layers(layers):
-    """Inside: each of `layers` steps through `decoder_layer_step`, except a layer whose forward is already wrapped
-    (accelerate's device-map hooks set it on the instance: they move the inputs to the layer's device)."""
+    """Inside: each of `layers` steps through `decoder_layer_step`, its attention's projections through
+    `attention_rotary_qkv`, except a layer whose forward is already wrapped (accelerate's device-map hooks set it on
+    the instance: they move the inputs to the layer's device)."""
     fused = [layer for layer in layers if "forward" not in vars(layer)]
     for layer in fused:
         layer.forward = functools.partial(decoder_layer_step, layer)
+        layer.self_attn.rotary_qkv = functools.partial(attention_rotary_qkv, layer.self_attn)
     try:
         yield
     finally:
         for layer in fused:
-            del layer.forward
+            del layer.forward, layer.self_attn.rotary_qkv

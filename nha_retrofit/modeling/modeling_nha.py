@@ -73,6 +73,12 @@ class NHAAttentionMixin:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, self.v_proj(hidden_states).view(shape)
 
+    def rotary_qkv(self, hidden_states, position_embeddings):
+        """(q, k, v, q_rope, k_rope): the projections before RoPE (the slots read them) and q, k after it."""
+        q, k, v = self.project_qkv(hidden_states)
+        cos, sin = position_embeddings
+        return q, k, v, *self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
+
     def gate_logits(self, hidden_states):
         """The gate logits f = g_proj(x) per KV head and slot, [B, T, H, M] (log(alpha) = logsigmoid(f) / tau); a
         positive bias in g_proj lengthens every slot's memory (alpha nearer 1)."""
@@ -88,10 +94,7 @@ class NHAAttentionMixin:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
         batch, length = hidden_states.shape[:2]
-        q, k, v = self.project_qkv(hidden_states)
-        cos, sin = position_embeddings
-        q_rope, k_rope = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
-        q, k, v, q_rope, k_rope = operator_inputs(q, k, v, q_rope, k_rope)
+        q, k, v, q_rope, k_rope = operator_inputs(*self.rotary_qkv(hidden_states, position_embeddings))
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         slot_bias = self.slot_bias if self.slot_reads else torch.full_like(self.slot_bias, float("-inf"))
         out, state = nha_operator(
@@ -110,9 +113,7 @@ class NHAAttentionMixin:
     def _decode_on_static_cache(self, hidden_states, position_embeddings, layer_cache):
         """A full layer's one-token step on a static cache: the original projections and RoPE, then attention over the
         cache's stored positions (`StaticFullLayer.decode`: no mask over the whole cache, no per-head copies)."""
-        q, k, v = self.project_qkv(hidden_states)
-        cos, sin = position_embeddings
-        q, k = self.rotary_fn(q, k, cos, sin, unsqueeze_dim=2)
+        _, _, v, q, k = self.rotary_qkv(hidden_states, position_embeddings)
         out = layer_cache.decode(q, k, v, self.scaling)
         return self.o_proj(out.reshape(*hidden_states.shape[:2], -1)), None
 

@@ -24,7 +24,8 @@ def step_logits(model, ids, fused: bool):
 
 def test_fused_layers_step_as_their_own_forwards(family):
     """Run uncompiled, the fused functions are the layers' own operations in the same order: the same logits, in
-    each family's NHA and full layers, dense MLPs fused and MoE blocks called as they are."""
+    each family's NHA and full layers (Qwen2's q/k/v biases, Qwen3's q/k norms), dense MLPs fused and MoE blocks
+    called as they are."""
     name, _, _, out = family
     model = load_nha_checkpoint(out).float()
     kinds = {is_gated_silu_mlp(layer.mlp) for layer in model.model.layers}
@@ -34,7 +35,8 @@ def test_fused_layers_step_as_their_own_forwards(family):
     with torch.compiler.set_stance("force_eager"):
         fused = step_logits(model, ids, fused=True)
     assert (fused - expected).abs().max() <= 1e-6 * expected.abs().max()
-    assert not any("forward" in vars(layer) for layer in model.model.layers)  # the context restored the forwards
+    assert not any("forward" in vars(layer) or "rotary_qkv" in vars(layer.self_attn)  # the context restored them
+                   for layer in model.model.layers)
 
 
 def test_the_context_restores_the_layers_after_an_error_and_leaves_wrapped_ones_alone():
@@ -47,9 +49,11 @@ def test_the_context_restores_the_layers_after_an_error_and_leaves_wrapped_ones_
         with fused_decoder_layers(layers):
             fused = [getattr(vars(layer)["forward"], "func", None) is decoder_layer_step for layer in layers]
             assert fused == [True, False, True, True]
+            assert ["rotary_qkv" in vars(layer.self_attn) for layer in layers] == fused
             assert vars(layers[1])["forward"] is hooked
             raise RuntimeError("inside")
     assert [("forward" in vars(layer)) for layer in layers] == [False, True, False, False]
+    assert not any("rotary_qkv" in vars(layer.self_attn) for layer in layers)
     assert vars(layers[1])["forward"] is hooked
 
 
