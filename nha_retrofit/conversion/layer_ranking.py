@@ -24,7 +24,10 @@ from ..errors import NHARetrofitError
 from ..plan import evenly_spaced
 
 PROBE_MODULES = ("argparse.py", "email/message.py", "email/_header_value_parser.py", "logging/__init__.py")
-PROBE_SAMPLES = 4
+# Per-prompt scores vary: on SmolLM2-135M the fifth and sixth layers (7 and 17) differ by 0.047 on average with a
+# standard deviation of 0.077 over prompts, so 4 prompts rank them by chance (and CPU and GPU rounding can flip them),
+# while from 8 prompts on the order holds (16: 0.783 against 0.744; 32: 0.793 against 0.746).
+PROBE_SAMPLES = 16
 PROBE_LENGTH = 1024
 
 

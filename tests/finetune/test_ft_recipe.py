@@ -140,15 +140,17 @@ def test_a_plan_the_model_cannot_take_names_the_recipe_key(tiny_world, tmp_path)
         finetune(recipe, dry_run=True, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_demo_recipe_dry_runs_with_its_real_model(tmp_path, smollm2_nha):
-    """The demo recipe as shipped, on the embedded SmolLM2 (data limited to two stdlib files to stay fast)."""
+    """The demo recipe as shipped, on the embedded SmolLM2 (data limited to two stdlib files to stay fast); the
+    retrieval probe's pick on the CPU is the GPU recipe's pinned plan (slow: the probe runs 16 prompts)."""
     plan = finetune(
         RECIPES / "smollm2_demo.yaml",
         ['data.files=["{stdlib}/this.py", "{stdlib}/bisect.py", "{stdlib}/shlex.py"]', "data.seq_len=256",
          f"train.output_dir={tmp_path / 'run'}"],
         dry_run=True, log=lambda *_: None,
     )
-    assert plan["full_layers"] == [14, 17, 18, 20, 21] and plan["windows"] == [256]  # the retrieval probe's pick
+    assert plan["full_layers"] == [7, 14, 18, 20, 21] and plan["windows"] == [256]  # the retrieval probe's pick
     assert plan["total_parameters"] > 134_000_000 and 0 < plan["trainable_parameters"] < plan["total_parameters"] / 3
 
 
