@@ -68,12 +68,17 @@ def probe_prompts(tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_L
 
 
 @torch.no_grad()
-def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH) -> list[float]:
+def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
+                     progress: bool = False) -> list[float]:
     """Per layer of the original `model` (run with eager attention), its strongest head's attention mass on the
     record, averaged over the probe's prompts."""
+    from tqdm.auto import tqdm
+
     device = next(model.parameters()).device
     scores = None
-    for prompt, record, answer in probe_prompts(tokenizer, samples, length):
+    prompts = probe_prompts(tokenizer, samples, length)
+    for prompt, record, answer in tqdm(prompts, desc="retrieval probe", unit="prompt", disable=not progress,
+                                       leave=False):
         out = model(torch.tensor([prompt], device=device), output_attentions=True, use_cache=False,
                     logits_to_keep=1)
         per_layer = torch.stack([weights[0][:, answer][:, :, record].sum(-1).mean(-1).max().float()
@@ -87,9 +92,10 @@ def rank_layers(scores: list[float]) -> list[int]:
     return sorted(range(len(scores)), key=lambda layer: (-scores[layer], layer))
 
 
-def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> list[float] | None:
+def layer_retrieval_scores(folder: Path, device: str = "auto", log=print, progress: bool = True) -> list[float] | None:
     """The probe's per-layer scores of the original model in `folder` (loaded once, in its dtype, on CUDA when
-    present); None when the folder has no weights, or no tokenizer that can build the probe's prompts."""
+    present), with a progress bar; None when the folder has no weights, or no tokenizer that can build the probe's
+    prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -104,7 +110,8 @@ def layer_retrieval_scores(folder: Path, device: str = "auto", log=print) -> lis
     except OSError:  # no weights (a config-only folder, as for a dry run of a recipe's plan)
         return None
     try:
-        return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings))
+        return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings),
+                                progress=progress)
     except ProbeError:
         return None
 

@@ -111,7 +111,7 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     scores = [scorer.mean_kl(f"layer {i}") for i in range(num_layers)]
     chosen = sorted(sorted(range(num_layers), key=scores.__getitem__, reverse=True)[:full_layers])
     even = select_full_layers(num_layers, full_layers, "even")
-    retrieval_scores = layer_retrieval_scores(source, device, log=lambda line: None)
+    retrieval_scores = layer_retrieval_scores(source, device, log=lambda line: None, progress=progress)
     plans = {"searched": chosen, "even": even}
     if retrieval_scores is not None:  # a model with a tokenizer to probe with
         plans["retrieval"] = select_full_layers(num_layers, full_layers, "retrieval", rank_layers(retrieval_scores))
