@@ -262,7 +262,7 @@ class NHAForCausalLMMixin:
 
     def _replayed_step(self, input_ids, position_ids, token_mask, cache):
         """A one-token step on a static CUDA cache through its `DecodeGraph` (captured at the first such step), each
-        decoder layer's norms, residual adds and gated MLP fused (`fused_step.py`)."""
+        decoder layer's small work between its matmuls fused (`fused_step.py`)."""
         if cache.decode_graph is None:
             cache.decode_graph = DecodeGraph(input_ids.shape[0], input_ids.device)
         if position_ids is None:  # as the model would compute them: after the filled positions
