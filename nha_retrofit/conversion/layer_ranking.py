@@ -45,14 +45,15 @@ def probe_text() -> str:
     return "\n".join(texts)
 
 
-def probe_prompts(tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH, seed: int = 0):
-    """[(token ids, record span, answer positions)]: each prompt is exactly `length` tokens."""
+def probe_prompts(tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH, seed: int = 0, words=None):
+    """[(token ids, record span, answer positions)]: each prompt is exactly `length` tokens. The records' values are
+    6-digit numbers, or one of `words` each when given."""
     ids = tokenizer(probe_text(), add_special_tokens=False, verbose=False)["input_ids"]
     rng = random.Random(seed)
     prompts = []
     for _ in range(samples):
         key = f"{rng.choice(('ORCA', 'LYNX', 'KITE', 'MOTH', 'WREN'))}{rng.randrange(10, 99)}"
-        value = str(rng.randrange(100000, 999999))
+        value = rng.choice(words) if words else str(rng.randrange(100000, 999999))
         record = tokenizer(f"\n# registry entry {key} holds {value}\n", add_special_tokens=False)["input_ids"]
         question = tokenizer(f"\n# registry entry {key} holds", add_special_tokens=False)["input_ids"]
         answer = tokenizer(f" {value}", add_special_tokens=False)["input_ids"]
