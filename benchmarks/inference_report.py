@@ -32,7 +32,7 @@ from nha_retrofit.bench.random_weights import NAMED_CONFIGS, random_nha_model
 from nha_retrofit.bench.report import format_report
 from nha_retrofit.bench.engine import machine_tag, run_benchmark
 from nha_retrofit.bench.options import decode_room
-from nha_retrofit.plan import PlanSpec, build_plan
+from nha_retrofit.plan import PlanSpec, build_plan, cache_dims
 
 REPO = Path(__file__).resolve().parent.parent
 DECODE_STEPS = 16
@@ -81,7 +81,7 @@ def profile_prefill(model, length: int) -> dict:
 def family_model(config: dict, device: str, dtype, quick: bool, plan_changes: dict | None = None):
     spec = PlanSpec(full_layers=1, select="even", window=8, slots=16) if quick else \
         PlanSpec(select="even", **(plan_changes or {}))
-    plan = build_plan(config["num_hidden_layers"], spec)
+    plan = build_plan(config["num_hidden_layers"], spec, kv_heads=cache_dims(config)[0])
     return plan, random_nha_model(config, plan, device, dtype)
 
 

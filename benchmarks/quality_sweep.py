@@ -74,18 +74,22 @@ def train_all(args, variants: dict, root: Path) -> None:
                 print(f"{name}: training exited {process.returncode}", flush=True)
 
 
-def cache_costs(windows: list, slots: int, layers: int, kv_heads: int, head_dim: int, width: int = 2) -> dict:
-    """Cache bytes per sequence at 8K and 32K of a plan with the same share of full layers, window and slots on a
-    model of `layers` layers, and their ratio to the original's (every layer full)."""
+def cache_costs(windows: list, slots: int, layers: int, kv_heads: int, head_dim: int, width: int = 2,
+                full_kv_heads: list | None = None, swept_kv_heads: int = 1) -> dict:
+    """Cache bytes per sequence at 8K and 32K of a plan with the same share of full layers, of full KV heads (the
+    swept model's `full_kv_heads` pairs over its `swept_kv_heads` per layer), window and slots on a model of `layers`
+    layers, and their ratio to the original's (every layer full)."""
     from nha_retrofit.plan import nha_state_bytes
 
     full = round(sum(w is None for w in windows) / len(windows) * layers)
+    heads = round(len(full_kv_heads or []) / (len(windows) * swept_kv_heads) * layers * kv_heads)
     window = max((w for w in windows if w is not None), default=0)
     per_token = 2 * kv_heads * head_dim * width
     state = nha_state_bytes(kv_heads, head_dim, slots, window, width)
-    costs = {"full_layers": full, "window": window, "slots": slots}
+    head_state = nha_state_bytes(1, head_dim, slots, window, width) - nha_state_bytes(0, head_dim, slots, window, width)
+    costs = {"full_layers": full, "full_kv_heads": heads, "window": window, "slots": slots}
     for context in (8192, 32768):
-        nha = full * context * per_token + (layers - full) * state
+        nha = full * context * per_token + (layers - full) * state + heads * (context * per_token // kv_heads - head_state)
         costs[f"cache_bytes_{context}"] = nha
         costs[f"cache_ratio_{context}"] = round(nha / (layers * context * per_token), 4)
     return costs
@@ -123,6 +127,8 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         scored = suite_report(hits, suite, ["original", "nha"], kv_cache=args.kv_cache_dtype)
         windows = list(model.config.nha_windows)
         plan = {"full_layer_ids": [i for i, w in enumerate(windows) if w is None],
+                "full_kv_heads": [[layer, head] for layer, ids in enumerate(model.config.nha_layer_full_kv_heads)
+                                  for head in ids],
                 "window": max((w for w in windows if w is not None), default=0),
                 "slots": model.config.nha_num_slots, "layers": len(windows),
                 "gate_bias_init": model.config.nha_gate_bias_init}
@@ -176,12 +182,19 @@ def row_summary(row: dict) -> dict:
         nha, original = accuracies(row["suite"], "nha", group), accuracies(row["suite"], "original", group)
         mean = lambda table: sum(sum(v) for v in table.values()) / sum(len(v) for v in table.values())  # noqa: E731
         retrieval[group] = mean(nha) / mean(original) if mean(original) > 0 else None  # nothing to compare with
+    heads = dict(full_kv_heads=plan.get("full_kv_heads"), swept_kv_heads=SMOLLM2_135M["kv_heads"])
     return {
         "retrieval": retrieval,
         "perplexity_ratio": row["perplexity_ratio"],
-        "own": cache_costs(windows, plan["slots"], plan["layers"], **SMOLLM2_135M),
-        "llama3_8b": cache_costs(windows, plan["slots"], **LLAMA3_8B),
+        "own": cache_costs(windows, plan["slots"], plan["layers"], **SMOLLM2_135M, **heads),
+        "llama3_8b": cache_costs(windows, plan["slots"], **LLAMA3_8B, **heads),
     }
+
+
+def full_attention(plan: dict) -> str:
+    """A row's full layers, and its full KV heads as layer:head."""
+    heads = plan.get("full_kv_heads") or []
+    return str(plan["full_layer_ids"]) + (" + " + " ".join(f"{layer}:{head}" for layer, head in heads) if heads else "")
 
 
 def report(path: Path, image: Path | None) -> str:
@@ -189,7 +202,7 @@ def report(path: Path, image: Path | None) -> str:
     from nha_retrofit.bench.engine import machine_tag
 
     results = json.loads(path.read_text())
-    lines = ["| setting | GPU | full layers | window | gate bias | trained | LM tokens | train s | "
+    lines = ["| setting | GPU | full layers (+ KV heads) | window | gate bias | trained | LM tokens | train s | "
              "retrieval vs original (tuning / held-out) | python-docs | python-stdlib | Hamlet | "
              "cache at 8K (SmolLM2 / 8B shape) | cache at 32K, 8B shape |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -199,7 +212,7 @@ def report(path: Path, image: Path | None) -> str:
         ppl, gate_bias = summary["perplexity_ratio"], row["plan"]["gate_bias_init"]
         retrieval = " / ".join("-" if value is None else f"{value:.2f}" for value in summary["retrieval"].values())
         lines.append(
-            f"| {name} | {machine_tag(row['machine'])} | {row['plan']['full_layer_ids']} | {row['plan']['window']} | "
+            f"| {name} | {machine_tag(row['machine'])} | {full_attention(row['plan'])} | {row['plan']['window']} | "
             f"{'-' if gate_bias is None else f'{gate_bias:g}'} | {row['trainable']} | {row['lm_tokens'] / 1e6:.2f}M | "
             f"{row['train_wall_time_s']:.0f} | {retrieval} | {ppl['python-docs']:.3f} | {ppl['python-stdlib']:.3f} | "
             f"{ppl['shakespeare']:.3f} | {summary['own']['cache_ratio_8192']:.3f} / "

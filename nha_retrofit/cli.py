@@ -90,6 +90,20 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
     return None if text is None else parse_ints(text, "--full-layer-ids", "layer numbers such as 3,11,19,27")
 
 
+def parse_head_ids(text: str | None) -> list[tuple[int, int]] | None:
+    """`7:0,14:2` -> [(7, 0), (14, 2)]."""
+    if text is None:
+        return None
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        layer, _, head = part.partition(":")
+        if not (layer.strip().isdigit() and head.strip().isdigit()):
+            raise typer.BadParameter(f"{part!r}: expected layer:head pairs such as 7:0,14:2",
+                                     param_hint="--full-kv-head-ids")
+        pairs.append((int(layer), int(head)))
+    return pairs
+
+
 def write_json(path: Path | None, report: dict) -> None:
     """`--json FILE`: the command's measurements, written atomically (nothing when no path was given)."""
     import json
@@ -115,6 +129,10 @@ def plan_option(kind: type, text: str, field: str):
 
 FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers")
 FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exactly these full layers, e.g. 2,9,17,25.")]
+FullKVHeadsOption = Annotated[int | None, typer.Option(
+    help="KV heads that keep full attention inside NHA layers, placed by --select (retrieval: the probe's strongest "
+         "heads); makes --full-layers default to 0.")]
+FullKVHeadIdsOption = Annotated[str | None, typer.Option(help="Exactly these full KV heads, as layer:head, e.g. 7:0,14:2.")]
 SelectOption = plan_option(str, "Where --full-layers go: retrieval (the layers whose heads retrieve most, from a "
                            "probe of the original), even, first or last.", "select")
 WindowsOption = Annotated[str | None, typer.Option(help="One window per layer, e.g. 32,32,full,... (overrides).")]
@@ -129,13 +147,17 @@ JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the 
 
 
 def plan_spec(full_layers=None, full_layer_ids=None, select=None, windows=None, window=None, slots=None,
-              gate_normalizer=None, slot_bias_init=None, gate_bias_init=None) -> PlanSpec:
+              gate_normalizer=None, slot_bias_init=None, gate_bias_init=None, full_kv_heads=None,
+              full_kv_head_ids=None) -> PlanSpec:
     """The PlanSpec of a verb's plan options; those left out (None) keep PlanSpec's defaults."""
     if full_layers is not None and full_layer_ids is not None:
         raise NHARetrofitError("--full-layers and --full-layer-ids: give one of the two")
+    if full_kv_heads is not None and full_kv_head_ids is not None:
+        raise NHARetrofitError("--full-kv-heads and --full-kv-head-ids: give one of the two")
     given = dict(full_layers=full_layers, full_layer_ids=parse_layer_ids(full_layer_ids), select=select,
                  windows=None if windows is None else parse_windows(windows), window=window, slots=slots,
-                 gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init, gate_bias_init=gate_bias_init)
+                 gate_normalizer=gate_normalizer, slot_bias_init=slot_bias_init, gate_bias_init=gate_bias_init,
+                 full_kv_heads=full_kv_heads, full_kv_head_ids=parse_head_ids(full_kv_head_ids))
     return PlanSpec(**{field: value for field, value in given.items() if value is not None})
 
 
@@ -146,6 +168,8 @@ def convert(
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder to write the NHA checkpoint to.")],
     full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
+    full_kv_heads: FullKVHeadsOption = None,
+    full_kv_head_ids: FullKVHeadIdsOption = None,
     select: SelectOption = None,
     windows: WindowsOption = None,
     window: WindowOption = None,
@@ -164,7 +188,7 @@ def convert(
 
     check_output_folder(output, overwrite)  # like the plan's checks, before torch is imported
     spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init,
-                     gate_bias_init)
+                     gate_bias_init, full_kv_heads, full_kv_head_ids)
     from .conversion.converter import convert as run_convert
 
     run_convert(model, output, spec, gate_init=gate_init, allow_pickle=allow_pickle, overwrite=overwrite,
@@ -177,6 +201,8 @@ def plan(
     model: ModelArgument,
     full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
+    full_kv_heads: FullKVHeadsOption = None,
+    full_kv_head_ids: FullKVHeadIdsOption = None,
     select: SelectOption = None,
     windows: WindowsOption = None,
     window: WindowOption = None,
@@ -189,19 +215,19 @@ def plan(
 ):
     """Print the layer plan (per layer: window, slots, new parameters, cache bytes) without converting."""
     spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots, gate_normalizer, slot_bias_init,
-                     gate_bias_init)
+                     gate_bias_init, full_kv_heads, full_kv_head_ids)
     from .conversion.resolve import resolve_model
     from .conversion.source import read_source_config_dict
     from .plan import plan_table
 
     config = read_source_config_dict(resolve_model(model, revision=revision, token=token, weights=False))
-    ranking = None
+    ranking, heads = None, None
     if spec.needs_ranking:  # the retrieval probe reads the weights (downloaded for a Hub id)
         from .conversion.layer_ranking import plan_ranking
 
-        ranking, _ = plan_ranking(resolve_model(model, revision=revision, token=token), spec,
-                                  config["num_hidden_layers"], log=lambda line: typer.echo(line, err=True))
-    typer.echo(plan_table(config, spec, ranking))
+        ranking, heads, _ = plan_ranking(resolve_model(model, revision=revision, token=token), spec,
+                                         config["num_hidden_layers"], log=lambda line: typer.echo(line, err=True))
+    typer.echo(plan_table(config, spec, ranking, heads))
 
 
 @app.command("eval")
@@ -307,6 +333,8 @@ def bench(
     layers: Annotated[int | None, typer.Option(help="With --random-weights: keep only the first N layers.")] = None,
     full_layers: FullLayersOption = None,
     full_layer_ids: FullLayerIdsOption = None,
+    full_kv_heads: FullKVHeadsOption = None,
+    full_kv_head_ids: FullKVHeadIdsOption = None,
     select: SelectOption = None,
     windows: WindowsOption = None,
     window: WindowOption = None,
@@ -323,7 +351,8 @@ def bench(
     if (checkpoint is None) == (random_weights is None):
         raise NHARetrofitError("give a checkpoint folder or --random-weights CONFIG (one of the two)")
     plan_options = {"--layers": layers, "--full-layers": full_layers, "--full-layer-ids": full_layer_ids,
-                    "--select": select, "--windows": windows, "--window": window, "--slots": slots}
+                    "--full-kv-heads": full_kv_heads, "--full-kv-head-ids": full_kv_head_ids, "--select": select,
+                    "--windows": windows, "--window": window, "--slots": slots}
     given = [name for name, value in plan_options.items() if value is not None]
     if checkpoint is not None and given:
         raise NHARetrofitError(f"{given[0]} applies only with --random-weights: a checkpoint benchmarks the plan in "
@@ -337,7 +366,8 @@ def bench(
         progress=True,
     )
     if random_weights is not None:
-        spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots)
+        spec = plan_spec(full_layers, full_layer_ids, select, windows, window, slots,
+                         full_kv_heads=full_kv_heads, full_kv_head_ids=full_kv_head_ids)
     from .bench.run import benchmark_checkpoint, benchmark_random_weights
 
     if checkpoint is not None:

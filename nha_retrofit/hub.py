@@ -155,6 +155,8 @@ def model_card(repo_id: str, config: dict, record: dict | None, evaluation: dict
 
     windows = config["nha_windows"]
     full = [i for i, w in enumerate(windows) if w is None]
+    full_heads = ", ".join(f"{layer}:{head}" for layer, heads in enumerate(config.get("nha_full_kv_heads") or [])
+                           for head in heads)
     nha_windows = sorted({w for w in windows if w is not None})
     slots = config["nha_num_slots"]
     source = (record or {}).get("source", "")
@@ -173,7 +175,8 @@ def model_card(repo_id: str, config: dict, record: dict | None, evaluation: dict
         f"A Native Hybrid Attention (NHA, arXiv 2510.07019) hybrid {of}, made with nha-retrofit. "
         f"{len(windows) - len(full)} of {len(windows)} layers read a {slots}-slot gated memory plus a sliding window "
         f"of {', '.join(map(str, nha_windows)) or '-'} tokens under one softmax; layers {full or 'none'} keep full "
-        "attention. Each NHA layer adds a gate projection and a per-head slot offset to the original attention.",
+        "attention" + (f", and so do KV heads (layer:head) {full_heads} inside NHA layers" if full_heads else "")
+        + ". Each NHA layer adds a gate projection and a per-head slot offset to the original attention.",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -184,8 +187,9 @@ def model_card(repo_id: str, config: dict, record: dict | None, evaluation: dict
         "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))",
         "```",
         "",
-        f"Generation keeps an ordinary KV cache only for the full layers; each NHA layer holds a fixed {state:,} "
-        "bytes per sequence however long the context. `model.set_windows([...])` changes any layer's window at "
+        f"Generation keeps an ordinary KV cache only for the full layers{' and heads' if full_heads else ''}; each "
+        f"NHA layer holds a fixed {state:,} bytes per sequence{' at most' if full_heads else ''} however long the "
+        "context. `model.set_windows([...])` changes any layer's window at "
         "inference time (`None` = full attention).",
     ]
     finetune = (record or {}).get("finetune")

@@ -1,4 +1,5 @@
-"""The layer plan: which layers keep full attention, and the window, slots and gate settings of the others.
+"""The layer plan: which layers keep full attention, which KV heads keep it inside NHA layers, and the window, slots
+and gate settings of the rest.
 
 `PlanSpec` is what a user asks for (every verb, the recipe's `model.convert`, the layer search build one); it owns
 every plan default and the checks that need no model. `build_plan` turns it into the `LayerPlan` of a model with a
@@ -30,7 +31,11 @@ class PlanSpec:
     other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count;
     `full_layers=None` is one layer in `FULL_LAYER_SHARE`, rounded, at least one (`full_layer_count`).
     `select="retrieval"` keeps the layers that hold the original's retrieval heads (`conversion/layer_ranking.py`):
-    the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy)."""
+    the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy).
+
+    Full attention can also be kept per KV head inside NHA layers: `full_kv_head_ids` ((layer, head) pairs), or the
+    `full_kv_heads` strongest heads of the same probe. Either makes `full_layers` default to 0 (whole full layers
+    can still be asked for beside them); a layer whose every KV head is chosen becomes a full layer."""
 
     full_layers: int | None = None
     select: str = "retrieval"
@@ -41,8 +46,20 @@ class PlanSpec:
     gate_normalizer: float = 8.0
     slot_bias_init: float = -4.0
     gate_bias_init: float | None = 8.0  # b > 0 lengthens the slots' memory at conversion; None: no gate bias
+    full_kv_heads: int | None = None
+    full_kv_head_ids: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
+        if self.full_kv_head_ids is not None:
+            pairs = tuple(tuple(pair) for pair in self.full_kv_head_ids)
+            if any(len(pair) != 2 or min(pair) < 0 for pair in pairs):
+                raise PlanSpecError("full_kv_head_ids", "takes (layer, KV head) pairs of ids >= 0")
+            if len(set(pairs)) != len(pairs):
+                raise PlanSpecError("full_kv_head_ids", "lists a head more than once")
+            object.__setattr__(self, "full_kv_head_ids", pairs)
+            object.__setattr__(self, "full_kv_heads", len(pairs))
+        if self.full_kv_heads is not None and self.full_kv_heads < 0:
+            raise PlanSpecError("full_kv_heads", f"{self.full_kv_heads}: must be >= 0")
         if self.windows is not None:
             object.__setattr__(self, "windows", tuple(self.windows))
             for position, window in enumerate(self.windows):
@@ -70,14 +87,21 @@ class PlanSpec:
 
     @property
     def needs_ranking(self) -> bool:
-        """Whether the full layers depend on the model's weights (the retrieval probe's layer ranking)."""
-        return self.select == "retrieval" and self.windows is None and self.full_layer_ids is None \
-            and self.full_layers != 0
+        """Whether the full layers or heads depend on the model's weights (the retrieval probe's ranking)."""
+        layers = self.select == "retrieval" and self.windows is None and self.full_layer_ids is None \
+            and self.full_layers != 0 and not (self.full_layers is None and self.full_kv_heads)
+        return layers or self.needs_head_ranking
+
+    @property
+    def needs_head_ranking(self) -> bool:
+        return bool(self.full_kv_heads) and self.full_kv_head_ids is None
 
     def full_layer_count(self, num_layers: int) -> int:
         """How many layers keep full attention on a model of `num_layers` layers."""
         if self.full_layers is not None:
             return self.full_layers
+        if self.full_kv_heads:
+            return 0
         return max(1, round(num_layers / FULL_LAYER_SHARE))
 
 
@@ -88,15 +112,21 @@ class LayerPlan:
     gate_normalizer: float
     slot_bias_init: float
     gate_bias_init: float | None = None
+    full_kv_heads: tuple | None = None  # None, or per layer a tuple of the KV heads kept full in an NHA layer
 
     @property
     def full_layer_ids(self) -> list[int]:
         return [i for i, window in enumerate(self.windows) if window is None]
 
+    @property
+    def full_kv_head_pairs(self) -> list[tuple[int, int]]:
+        return [(layer, head) for layer, heads in enumerate(self.full_kv_heads or ()) for head in heads]
+
     def config_fields(self) -> dict:
         """The `nha_*` fields this plan writes into config.json."""
         return {
             "nha_windows": list(self.windows),
+            "nha_full_kv_heads": None if self.full_kv_heads is None else [list(h) for h in self.full_kv_heads],
             "nha_num_slots": self.num_slots,
             "nha_gate_normalizer": self.gate_normalizer,
             "nha_slot_bias_init": self.slot_bias_init,
@@ -106,15 +136,17 @@ class LayerPlan:
     def describe(self) -> str:
         nha = len(self.windows) - len(self.full_layer_ids)
         windows = sorted({w for w in self.windows if w is not None})
+        heads = ", ".join(f"{layer}:{head}" for layer, head in self.full_kv_head_pairs)
         return (
             f"{len(self.windows)} layers: full attention at {self.full_layer_ids or 'none'}; "
-            f"{nha} NHA layers (window {', '.join(map(str, windows)) or '-'}, {self.num_slots} slots, "
+            + (f"full KV heads (layer:head) {heads}; " if heads else "")
+            + f"{nha} NHA layers (window {', '.join(map(str, windows)) or '-'}, {self.num_slots} slots, "
             f"gate normalizer {self.gate_normalizer:g}, slot bias init {self.slot_bias_init:g}"
             + (f", gate bias init {self.gate_bias_init:g})" if self.gate_bias_init is not None else ")")
         )
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "windows": list(self.windows)}
+        return {**asdict(self), "windows": list(self.windows), "full_kv_heads": self.config_fields()["nha_full_kv_heads"]}
 
 
 def evenly_spaced(num_layers: int, count: int) -> list[int]:
@@ -150,9 +182,11 @@ def parse_windows(text: str) -> list:
     return windows
 
 
-def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None) -> LayerPlan:
-    """The plan `spec` asks for, on a model of `num_layers` layers; `ranking` (layer ids, strongest retrieval layer
-    first) places the full layers of `select="retrieval"`."""
+def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None, head_ranking=None,
+               kv_heads: int | None = None) -> LayerPlan:
+    """The plan `spec` asks for, on a model of `num_layers` layers of `kv_heads` KV heads (needed for full KV heads);
+    `ranking` (layer ids, strongest retrieval layer first) places the full layers of `select="retrieval"`, and
+    `head_ranking` ((layer, KV head) pairs, strongest first) the `full_kv_heads`."""
     if spec.windows is not None:
         if len(spec.windows) != num_layers:
             raise PlanSpecError("windows", f"has {len(spec.windows)} entries; the model has {num_layers} layers")
@@ -170,8 +204,51 @@ def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None) -> La
                 raise PlanSpecError("full_layers", f"{count}: must be between 0 and {num_layers} (the layer count)")
             full = set(select_full_layers(num_layers, count, spec.select, ranking))
         windows = tuple(None if i in full else spec.window for i in range(num_layers))
+    windows, heads = place_full_kv_heads(windows, spec, head_ranking, kv_heads)
     gate_bias = None if spec.gate_bias_init is None else float(spec.gate_bias_init)
-    return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init), gate_bias)
+    return LayerPlan(windows, spec.slots, float(spec.gate_normalizer), float(spec.slot_bias_init), gate_bias, heads)
+
+
+def evenly_placed_heads(layers: list[int], count: int) -> list[tuple[int, int]]:
+    """`count` (layer, KV head) pairs spread evenly over `layers`: each layer gets the same number of heads (its
+    first ones), and the remainder goes one each to `evenly_spaced` layers (the placement of `select="even"`, whose
+    cost is what a random-weights benchmark measures)."""
+    rounds, rest = divmod(count, len(layers))
+    extra = {layers[i] for i in evenly_spaced(len(layers), rest)} if rest else set()
+    return [(layer, head) for layer in layers for head in range(rounds + (layer in extra))]
+
+
+def place_full_kv_heads(windows: tuple, spec: PlanSpec, head_ranking, kv_heads: int | None):
+    """(windows, per-layer full KV heads or None): `spec`'s full KV heads in the NHA layers of `windows`: pinned, or
+    the first `full_kv_heads` outside full layers of `head_ranking` (`select="retrieval"`), or `evenly_placed_heads`
+    (any other `select`); a layer given every head becomes full."""
+    if not spec.full_kv_heads:
+        return windows, None
+    if kv_heads is None:
+        raise NHARetrofitError("full KV heads need the model's KV head count")
+    if spec.full_kv_head_ids is not None:
+        pairs = spec.full_kv_head_ids
+        for layer, head in pairs:
+            if layer >= len(windows) or head >= kv_heads:
+                raise PlanSpecError("full_kv_head_ids", f"({layer}, {head}): out of range, the model has layers "
+                                    f"0..{len(windows) - 1} of KV heads 0..{kv_heads - 1}")
+            if windows[layer] is None:
+                raise PlanSpecError("full_kv_head_ids", f"({layer}, {head}): layer {layer} is a full layer already")
+    else:
+        nha_layers = [layer for layer, window in enumerate(windows) if window is not None]
+        if spec.full_kv_heads > len(nha_layers) * kv_heads:
+            raise PlanSpecError("full_kv_heads", f"{spec.full_kv_heads}: the NHA layers have "
+                                f"{len(nha_layers) * kv_heads} KV heads")
+        if spec.select != "retrieval":
+            pairs = evenly_placed_heads(nha_layers, spec.full_kv_heads)
+        elif head_ranking is None:
+            raise NHARetrofitError("--full-kv-heads ranks heads by probing the model's weights, which this step "
+                                   "does not read; pass --full-kv-head-ids or --select even")
+        else:
+            pairs = [pair for pair in head_ranking if windows[pair[0]] is not None][: spec.full_kv_heads]
+    heads = [sorted(head for layer, head in pairs if layer == i) for i in range(len(windows))]
+    windows = tuple(None if len(heads[i]) == kv_heads else window for i, window in enumerate(windows))
+    return windows, tuple(() if window is None else tuple(h) for window, h in zip(windows, heads))
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -192,28 +269,35 @@ def nha_state_bytes(kv_heads: int, head_dim: int, slots: int, window: int, width
     return 2 * kv_heads * slots * head_dim * 4 + window * (kv_heads * (3 * head_dim * width + 4 * slots) + 1) + 1 + 8
 
 
-def plan_table(config: dict, spec: PlanSpec = PlanSpec(), ranking=None) -> str:
+def plan_table(config: dict, spec: PlanSpec = PlanSpec(), ranking=None, head_ranking=None) -> str:
     """The plan `spec` asks for on the model whose config.json is `config` (already read and checked, see
-    `conversion.source`) as a table: per layer window, slots, new parameters and cache cost."""
-    plan = build_plan(config["num_hidden_layers"], spec, ranking)
-    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    `conversion.source`) as a table: per layer window, slots, full KV heads, new parameters and cache cost."""
     kv_heads, head_dim, width = cache_dims(config)
+    plan = build_plan(config["num_hidden_layers"], spec, ranking, head_ranking, kv_heads)
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
     kv_per_token = 2 * kv_heads * head_dim * width
-    lines = [plan.describe(), "", "| layer | window | slots | new parameters | cache |", "|---|---|---|---|---|"]
-    new_params = fixed_bytes = 0
+    lines = [plan.describe(), "", "| layer | window | slots | full KV heads | new parameters | cache |",
+             "|---|---|---|---|---|---|"]
+    new_params = fixed_bytes = per_token = 0
     for layer, window in enumerate(plan.windows):
         params = kv_heads * plan.num_slots * (hidden + (plan.gate_bias_init is not None)) + heads
         new_params += params
         if window is None:
-            lines.append(f"| {layer} | full | - | {params:,} (unused) | {kv_per_token:,} B per token |")
+            per_token += kv_per_token
+            lines.append(f"| {layer} | full | - | all | {params:,} (unused) | {kv_per_token:,} B per token |")
             continue
-        state = nha_state_bytes(kv_heads, head_dim, plan.num_slots, window, width)
+        full_heads = plan.full_kv_heads[layer] if plan.full_kv_heads else ()
+        state = nha_state_bytes(kv_heads - len(full_heads), head_dim, plan.num_slots, window, width)
         fixed_bytes += state
-        lines.append(f"| {layer} | {window} | {plan.num_slots} | {params:,} | {state:,} B fixed |")
-    full = len(plan.full_layer_ids)
+        cost = f"{state:,} B fixed"
+        if full_heads:
+            per_token += len(full_heads) * kv_per_token // kv_heads
+            cost += f" + {len(full_heads) * kv_per_token // kv_heads:,} B per token"
+        lines.append(f"| {layer} | {window} | {plan.num_slots} | {','.join(map(str, full_heads)) or '-'} | "
+                     f"{params:,} | {cost} |")
     lines += [
         "",
-        f"new parameters: {new_params:,}; cache per sequence: {full * kv_per_token:,} B per token (full layers) "
+        f"new parameters: {new_params:,}; cache per sequence: {per_token:,} B per token (full layers and heads) "
         f"+ {fixed_bytes:,} B fixed (NHA layers); the original needs {len(plan.windows) * kv_per_token:,} B per token",
     ]
     return "\n".join(lines)

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["push", "x", "me/x", "--mesage", "m"], "error: no such option: --mesage (Possible options: --message)"),
     (["benhc"], "error: no such command 'benhc'. Did you mean 'bench'?"),
     (["plan", "x", "--full-layer-ids", "3,x"], "error: invalid value for --full-layer-ids: '3,x': expected"),
+    (["plan", "x", "--full-kv-head-ids", "7:0,7-1"], "error: invalid value for --full-kv-head-ids: '7-1': expected"),
+    (["plan", "smollm2-135m", "--full-kv-head-ids", "1:3"], "error: --full-kv-head-ids (1, 3): out of range, the model "
+                                                            "has layers 0..29 of KV heads 0..2"),
 ])
 def test_parse_errors_are_one_line_and_exit_1(args, message):
     code, output = cli(*args)
@@ -37,6 +40,8 @@ def run_without_torch(*args) -> subprocess.CompletedProcess:
     (["convert", "smollm2-135m", "-o", "OUT", "--slots", "0"], "error: --slots 0: at least one slot is needed"),
     (["convert", "smollm2-135m", "-o", "EXISTING"], "already exists; pass --overwrite"),
     (["plan", "smollm2-135m", "--gate-normalizer", "0"], "error: --gate-normalizer 0: must be > 0"),
+    (["plan", "smollm2-135m", "--full-kv-heads", "2", "--full-kv-head-ids", "1:0"],
+     "error: --full-kv-heads and --full-kv-head-ids: give one of the two"),
     (["search", "smollm2-135m", "--window", "-1"], "error: --window -1: a window is an integer >= 0"),
     (["bench", "--random-weights", "llama3-8b", "--contexts", "1,a"], "error: invalid value for --contexts"),
     (["bench", "EXISTING", "--slots", "8"], "error: --slots applies only with --random-weights"),
@@ -50,6 +55,13 @@ def test_mistakes_are_reported_before_torch_is_imported(tmp_path, args, message)
     result = run_without_torch(*[paths.get(a, a) for a in args])
     assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_plan_prints_full_kv_heads():
+    code, output = cli("plan", "smollm2-135m", "--full-kv-head-ids", "7:0,14:2,14:1")
+    assert code == 0, output
+    assert "full attention at none; full KV heads (layer:head) 7:0, 14:1, 14:2;" in output
+    assert "| 14 | 256 | 64 | 1,2 |" in output
 
 
 def test_version():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.plan import PlanSpec, PlanSpecError, build_plan, evenly_spaced, plan_table
 
 CONFIG = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2,
@@ -26,19 +27,53 @@ def test_plan_table_counts_parameters_and_cache_bytes():
     # head dim 48 / 6 = 8; per layer 2 KV heads * 5 slots * 48 gate weights + 6 slot biases = 486 parameters; a full
     # layer caches 2 * 2 heads * 8 * 4 bytes = 128 B per token; an NHA layer 2*2*5*8*4 + 3*(2*(3*8*4 + 4*5) + 1) + 9
     assert "full attention at [1]" in table
-    assert "| 0 | 3 | 5 | 486 | 1,348 B fixed |" in table
-    assert "| 1 | full | - | 486 (unused) | 128 B per token |" in table
+    assert "| 0 | 3 | 5 | - | 486 | 1,348 B fixed |" in table
+    assert "| 1 | full | - | all | 486 (unused) | 128 B per token |" in table
     assert table.splitlines()[-1] == (
-        "new parameters: 1,944; cache per sequence: 128 B per token (full layers) + 4,044 B fixed (NHA layers); "
-        "the original needs 512 B per token"
+        "new parameters: 1,944; cache per sequence: 128 B per token (full layers and heads) + 4,044 B fixed (NHA "
+        "layers); the original needs 512 B per token"
     )
+
+
+def test_plan_table_counts_full_kv_heads_per_token_and_the_rest_as_state():
+    table = plan_table(CONFIG, PlanSpec(full_kv_head_ids=[(2, 1), (0, 0)], window=3, slots=5, gate_bias_init=None))
+    # one KV head of two per token: 2 * 8 * 4 = 64 B; the other head's state 1*5*8*4*2 + 3*(1*(3*8*4 + 4*5) + 1) + 9
+    assert "full attention at none; full KV heads (layer:head) 0:0, 2:1;" in table
+    assert "| 0 | 3 | 5 | 0 | 486 | 680 B fixed + 64 B per token |" in table
+    assert "| 1 | 3 | 5 | - | 486 | 1,348 B fixed |" in table
+    assert "cache per sequence: 128 B per token (full layers and heads) + 4,056 B fixed" in table
+
+
+def test_full_kv_heads_follow_the_ranking_skip_full_layers_and_fill_a_layer_to_full():
+    ranking = [(1, 0), (3, 1), (1, 1), (0, 1), (2, 0)]
+    plan = build_plan(4, PlanSpec(full_layer_ids=[3], full_kv_heads=3, window=2), head_ranking=ranking, kv_heads=2)
+    assert plan.windows == (2, None, 2, None)  # layer 1 got both of its heads: a full layer
+    assert plan.full_kv_heads == ((1,), (), (), ()) and plan.full_kv_head_pairs == [(0, 1)]
+    assert plan.config_fields()["nha_full_kv_heads"] == [[1], [], [], []]
+    spec = PlanSpec(full_kv_heads=3)
+    assert spec.full_layer_count(4) == 0 and spec.needs_ranking and spec.needs_head_ranking
+    even = build_plan(6, PlanSpec(full_kv_heads=8, select="even"), kv_heads=3)
+    assert even.full_kv_head_pairs == [(0, 0), (1, 0), (1, 1), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0)]
+    assert build_plan(4, PlanSpec(select="even")).full_kv_heads is None
+
+
+@pytest.mark.parametrize("spec, message", [
+    (PlanSpec(full_kv_heads=9, select="even"), "--full-kv-heads 9: the NHA layers have 8 KV heads"),
+    (PlanSpec(full_kv_head_ids=[(4, 0)]), "--full-kv-head-ids (4, 0): out of range"),
+    (PlanSpec(full_kv_head_ids=[(0, 2)]), "--full-kv-head-ids (0, 2): out of range"),
+    (PlanSpec(full_layer_ids=[0], full_kv_head_ids=[(0, 1)]), "layer 0 is a full layer already"),
+    (PlanSpec(full_kv_heads=2), "ranks heads by probing the model's weights"),
+])
+def test_build_plan_refuses_full_kv_heads_that_cannot_be_placed(spec, message):
+    with pytest.raises(NHARetrofitError, match=re.escape(message)):
+        build_plan(4, spec, kv_heads=2)
 
 
 def test_a_gate_bias_adds_one_parameter_per_slot_and_is_written_into_the_config():
     spec = PlanSpec(select="even", full_layers=1, window=3, slots=5, gate_bias_init=4.0)
     table = plan_table(CONFIG, spec)
     assert "slot bias init -4, gate bias init 4)" in table
-    assert "| 0 | 3 | 5 | 496 | 1,348 B fixed |" in table  # 486 + 2 KV heads * 5 slots; the cache does not change
+    assert "| 0 | 3 | 5 | - | 496 | 1,348 B fixed |" in table  # 486 + 2 KV heads * 5 slots; the cache does not change
     assert build_plan(4, spec).config_fields()["nha_gate_bias_init"] == 4.0
     assert build_plan(4, PlanSpec(select="even")).config_fields()["nha_gate_bias_init"] == 8.0  # the default
     no_bias = PlanSpec(select="even", full_layers=1, gate_bias_init=None)
@@ -57,6 +92,9 @@ def test_a_gate_bias_adds_one_parameter_per_slot_and_is_written_into_the_config(
         (dict(full_layer_ids=[3, 1, 3]), "--full-layer-ids 3: listed more than once"),
         (dict(full_layer_ids=[-1]), "--full-layer-ids -1: layer ids start at 0"),
         (dict(windows=[4, None, -2]), "--windows entry 2 is -2: a window is >= 0 or 'full'"),
+        (dict(full_kv_heads=-1), "--full-kv-heads -1: must be >= 0"),
+        (dict(full_kv_head_ids=[(1, 0), (1, 0)]), "--full-kv-head-ids lists a head more than once"),
+        (dict(full_kv_head_ids=[(1, -1)]), "--full-kv-head-ids takes (layer, KV head) pairs of ids >= 0"),
     ],
 )
 def test_plan_spec_refuses_impossible_values_naming_the_field(fields, message):

@@ -4,19 +4,20 @@ A static cache's bytes per sequence are exact (built on the meta device, nothing
 what the device's memory holds beyond what a batch-1 run needed besides its cache (weights, activations):
 (device memory - (batch-1 peak - batch-1 cache)) // bytes per sequence."""
 
-from ..modeling.nha_cache import NHACacheLayer, NHAStaticCache
+from ..modeling.nha_cache import MixedCacheLayer, NHACacheLayer, NHAStaticCache
 
 
 def cache_bytes(cache) -> int:
-    """Bytes a generation cache holds in its layers: key/value tensors of full layers (as allocated for a static
-    cache; with their scales when quantized), NHA states."""
+    """Bytes a generation cache holds in its layers: key/value tensors of full layers and of NHA layers' full heads
+    (as allocated for a static cache; with their scales when quantized), NHA states."""
     total = 0
     for layer in cache.layers:
-        if isinstance(layer, NHACacheLayer):
-            total += layer.state_bytes()
-        elif hasattr(layer, "tensors"):  # the layers of `NHAStaticCache`
+        if hasattr(layer, "tensors"):  # the layers of `NHAStaticCache`
             total += sum(t.numel() * t.element_size() for t in layer.tensors())
-        elif getattr(layer, "keys", None) is not None:
+            continue
+        if isinstance(layer, (NHACacheLayer, MixedCacheLayer)):
+            total += layer.state_bytes()
+        if getattr(layer, "keys", None) is not None:
             total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
     return total
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import NHARetrofitError
 from ..modeling.load import load_for_inference, nha_checkpoint_class, resolve_placement
-from ..plan import PlanSpec, build_plan
+from ..plan import PlanSpec, build_plan, cache_dims
 from .engine import run_benchmark
 from .options import check_options
 
@@ -32,8 +32,8 @@ def benchmark_random_weights(name_or_path: str, spec: PlanSpec, *, layers: int |
         raise NHARetrofitError(f"--layers {layers}: the model has 1..{config['num_hidden_layers']} layers")
     num_layers = layers or config["num_hidden_layers"]
     if spec.select == "retrieval":  # random weights hold no retrieval heads to rank; the cost of a plan depends on
-        spec = dataclasses.replace(spec, select="even")  # how many layers are full, not on which
-    plan = build_plan(num_layers, spec)
+        spec = dataclasses.replace(spec, select="even")  # how many layers and heads are full, not on which
+    plan = build_plan(num_layers, spec, kv_heads=cache_dims(config)[0])
     check_options(config.get("max_position_embeddings") or 2048, contexts, **options)
     target, weights_dtype = resolve_placement(device, dtype)
     model = random_nha_model(config, plan, target, weights_dtype, layers=layers)

@@ -20,7 +20,7 @@ from ..checksums import write_checksums
 from ..errors import NHARetrofitError
 from ..modeling.modeling_nha import NHA_MODEL_CLASSES
 from ..modeling.remote_code import write_remote_code
-from ..plan import LayerPlan, PlanSpec, build_plan
+from ..plan import LayerPlan, PlanSpec, build_plan, cache_dims
 from .download import TOKENIZER_FILES
 from .layer_ranking import plan_ranking
 from .resolve import resolve_model
@@ -142,13 +142,15 @@ def convert(
     # the config first: a model the plan or the family rules out is refused before any weight is downloaded
     source = resolve_model(model, revision=revision, token=token, weights=False)
     source_config = read_source_config_dict(source)
-    num_layers = source_config["num_hidden_layers"]
-    model_class, config = nha_config_for(source_config, build_plan(num_layers, spec, ranking=list(range(num_layers))))
+    num_layers, kv_heads = source_config["num_hidden_layers"], cache_dims(source_config)[0]
+    placeholder = [(layer, head) for layer in range(num_layers) for head in range(kv_heads)]
+    model_class, config = nha_config_for(source_config, build_plan(num_layers, spec, list(range(num_layers)),
+                                                                   placeholder, kv_heads))
     source = resolve_model(model, revision=revision, token=token, allow_pickle=allow_pickle)
     checkpoint = find_checkpoint(source, allow_pickle=allow_pickle)  # damaged shards are refused before the probe
     check_tensor_names(checkpoint, model_class, config)
-    ranking, scores = plan_ranking(source, spec, num_layers, log=log)
-    plan = build_plan(num_layers, spec, ranking)
+    ranking = plan_ranking(source, spec, num_layers, log=log)
+    plan = build_plan(num_layers, spec, ranking.layers, ranking.heads, kv_heads)
     model_class, config = nha_config_for(source_config, plan)
     log(f"plan: {plan.describe()}")
     with atomic_folder(output, overwrite, log=log) as tmp:
@@ -163,8 +165,9 @@ def convert(
         write_remote_code(tmp, model_class)
         copy_tokenizer_files(source, tmp)
         record = {"source": str(model), "source_path": str(source), "plan": plan.as_dict(), "gate_init": gate_init}
-        if scores:
-            record["layer_retrieval_scores"] = scores
+        if ranking.scores:
+            record["layer_retrieval_scores"] = ranking.scores.layers
+            record["head_retrieval_scores"] = ranking.scores.heads
         (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         write_checksums(tmp, digests)
     log(f"wrote {output}")

@@ -1,12 +1,14 @@
-"""Which layers hold the original model's retrieval heads: the ranking behind `select="retrieval"`.
+"""Which layers and KV heads hold the original model's retrieval heads: the ranking behind `select="retrieval"`
+and `full_kv_heads`.
 
 A few attention heads do a model's long-range retrieval: asked for a fact stated far back, they put their attention
 on it. A layer whose retrieval heads become a window and slots loses that fact, so those layers keep full attention.
 The probe: `samples` prompts of `length` tokens of Python standard-library source (code the finetuning recipes train
 on, never a held-out text of the evaluations), each with one record line (`registry entry KEY holds VALUE`) at a
 random line start in its first half, and the record's first words again at the end. In the original model (eager
-attention, so the weights are returned), a layer's score is the largest, over its heads, of the attention mass the
-positions that predict the value put on the record's tokens, averaged over the prompts. Layers rank by score.
+attention, so the weights are returned), a KV head's score is the largest, over its query heads, of the attention mass
+the positions that predict the value put on the record's tokens, averaged over the prompts, and a layer's is its
+strongest KV head's. Layers and heads rank by score.
 On SmolLM2-135M the retrieval heads sit in layers 7, 14, 17, 18, 20, 21 and 23; the evenly spaced default of 4 of 30
 (3, 10, 18, 25) kept one of them (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy).
 """
@@ -17,6 +19,7 @@ import glob
 import random
 import sysconfig
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -69,24 +72,40 @@ def probe_prompts(tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_L
     return prompts
 
 
+class ProbeScores(NamedTuple):
+    """The probe's scores, averaged over its prompts: per layer, the strongest head's mass on the record in each
+    prompt; per layer and KV head, its strongest query head's."""
+
+    layers: list[float]
+    heads: list[list[float]]
+
+
 @torch.no_grad()
-def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
-                     progress: bool = False) -> list[float]:
-    """Per layer of the original `model` (run with eager attention), its strongest head's attention mass on the
-    record, averaged over the probe's prompts."""
+def probe_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
+                 progress: bool = False) -> ProbeScores:
+    """The retrieval probe's `ProbeScores` of the original `model` (run with eager attention)."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    scores = None
+    groups = model.config.num_attention_heads // (model.config.num_key_value_heads or model.config.num_attention_heads)
+    heads = None
+    layers = None
     prompts = probe_prompts(tokenizer, samples, length)
     for prompt, record, answer in tqdm(prompts, desc="retrieval probe", unit="prompt", disable=not progress,
                                        leave=False):
         out = model(torch.tensor([prompt], device=device), output_attentions=True, use_cache=False,
                     logits_to_keep=1)
-        per_layer = torch.stack([weights[0][:, answer][:, :, record].sum(-1).mean(-1).max().float()
-                                 for weights in out.attentions])
-        scores = per_layer if scores is None else scores + per_layer
-    return (scores / samples).tolist()
+        per_head = torch.stack([weights[0][:, answer][:, :, record].sum(-1).mean(-1).float().view(-1, groups).amax(-1)
+                                for weights in out.attentions])  # [layers, KV heads]
+        heads = per_head if heads is None else heads + per_head
+        layers = per_head.amax(-1) if layers is None else layers + per_head.amax(-1)
+    return ProbeScores((layers / samples).tolist(), (heads / samples).tolist())
+
+
+def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
+                     progress: bool = False) -> list[float]:
+    """Per layer of the original `model`, its `ProbeScores.layers`."""
+    return probe_scores(model, tokenizer, samples, length, progress).layers
 
 
 def rank_layers(scores: list[float]) -> list[int]:
@@ -94,10 +113,15 @@ def rank_layers(scores: list[float]) -> list[int]:
     return sorted(range(len(scores)), key=lambda layer: (-scores[layer], layer))
 
 
-def layer_retrieval_scores(folder: Path, device: str = "auto", log=print, progress: bool = True) -> list[float] | None:
-    """The probe's per-layer scores of the original model in `folder` (loaded once, in its dtype, on CUDA when
-    present), with a progress bar; None when the folder has no weights, or no tokenizer that can build the probe's
-    prompts."""
+def rank_heads(head_scores: list[list[float]]) -> list[tuple[int, int]]:
+    """(layer, KV head) pairs, the strongest retrieval head first (ties: the lower layer, then head, first)."""
+    pairs = [(layer, head) for layer, row in enumerate(head_scores) for head in range(len(row))]
+    return sorted(pairs, key=lambda pair: (-head_scores[pair[0]][pair[1]], pair))
+
+
+def probe_folder(folder: Path, device: str = "auto", log=print, progress: bool = True) -> ProbeScores | None:
+    """The probe's scores of the original model in `folder` (loaded once, in its dtype, on CUDA when present), with a
+    progress bar; None when the folder has no weights, or no tokenizer that can build the probe's prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -112,22 +136,31 @@ def layer_retrieval_scores(folder: Path, device: str = "auto", log=print, progre
     except OSError:  # no weights (a config-only folder, as for a dry run of a recipe's plan)
         return None
     try:
-        return retrieval_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings),
-                                progress=progress)
+        return probe_scores(model, tokenizer, length=min(PROBE_LENGTH, model.config.max_position_embeddings),
+                            progress=progress)
     except ProbeError:
         return None
 
 
-def plan_ranking(folder: Path, spec, num_layers: int, device: str = "auto", log=print):
-    """(ranking, scores) that `build_plan` takes for `spec` on the model in `folder`: (None, None) when its full
-    layers do not depend on the weights. A folder without weights, or without a tokenizer that can build the probe,
+class Ranking(NamedTuple):
+    """What `build_plan` takes from the probe: layer ids and (layer, KV head) pairs, strongest first (heads: None
+    when the probe could not run), and the scores behind them (None: not probed)."""
+
+    layers: list[int] | None
+    heads: list[tuple[int, int]] | None
+    scores: ProbeScores | None
+
+
+def plan_ranking(folder: Path, spec, num_layers: int, device: str = "auto", log=print) -> Ranking:
+    """The `Ranking` that `build_plan` takes for `spec` on the model in `folder` (all None when its full layers and
+    heads do not depend on the weights). A folder without weights, or without a tokenizer that can build the probe,
     cannot be probed: its full layers are then placed evenly, and a log line says so."""
     if not spec.needs_ranking:
-        return None, None
-    scores = layer_retrieval_scores(folder, device, log=log)
+        return Ranking(None, None, None)
+    scores = probe_folder(folder, device, log=log)
     if scores is None:
         even = evenly_spaced(num_layers, min(spec.full_layer_count(num_layers), num_layers))
         log("no weights, or no tokenizer that can build the retrieval probe: the full layers are placed evenly "
             "(--select even)")
-        return even + [layer for layer in range(num_layers) if layer not in even], None
-    return rank_layers(scores), scores
+        return Ranking(even + [layer for layer in range(num_layers) if layer not in even], None, None)
+    return Ranking(rank_layers(scores.layers), rank_heads(scores.heads), scores)

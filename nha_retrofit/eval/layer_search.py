@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from ..conversion.converter import build_nha_model
-from ..conversion.layer_ranking import layer_retrieval_scores, rank_layers
+from ..conversion.layer_ranking import probe_folder, rank_layers
 from ..conversion.resolve import resolve_model
 from ..conversion.source import read_source_config_dict
 from ..errors import NHARetrofitError
@@ -86,6 +86,9 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     `token`."""
     if spec.full_layer_ids is not None or spec.windows is not None:
         raise NHARetrofitError("the search chooses the full layers: give it their count, not their ids or windows")
+    if spec.full_kv_heads:
+        raise NHARetrofitError("the search chooses whole full layers; full KV heads are placed by the retrieval probe "
+                               "(convert --full-kv-heads)")
     source = resolve_model(model, revision=revision, token=token)
     num_layers = read_source_config_dict(source)["num_hidden_layers"]
     build_plan(num_layers, spec, ranking=list(range(num_layers)))  # the plan's errors before any weight is read
@@ -111,7 +114,8 @@ def search_full_layers(model: str, spec: PlanSpec = PlanSpec(), *, texts=("pytho
     scores = [scorer.mean_kl(f"layer {i}") for i in range(num_layers)]
     chosen = sorted(sorted(range(num_layers), key=scores.__getitem__, reverse=True)[:full_layers])
     even = select_full_layers(num_layers, full_layers, "even")
-    retrieval_scores = layer_retrieval_scores(source, device, log=lambda line: None, progress=progress)
+    probed = probe_folder(source, device, log=lambda line: None, progress=progress)
+    retrieval_scores = None if probed is None else probed.layers
     plans = {"searched": chosen, "even": even}
     if retrieval_scores is not None:  # a model with a tokenizer to probe with
         plans["retrieval"] = select_full_layers(num_layers, full_layers, "retrieval", rank_layers(retrieval_scores))

@@ -80,11 +80,12 @@ class Variants:
             yield self.model
         elif name == "nha_all_full":
             planned = list(self.model.config.nha_windows)
+            heads = self.model.config.nha_layer_full_kv_heads
             self.model.set_windows([None] * len(planned))
             try:
                 yield self.model
             finally:
-                self.model.set_windows(planned)
+                self.model.set_windows(planned, heads)
         elif name == "window_only":
             with self.model.slot_reads_disabled():
                 yield self.model

@@ -32,7 +32,8 @@ def resolve_source(spec: ModelSection) -> ModelSource:
     from ..conversion.resolve import resolve_model
     from ..conversion.source import read_source_config_dict
     from ..modeling.load import nha_family
-    from ..plan import PlanSpec, PlanSpecError, build_plan
+    from ..conversion.layer_ranking import Ranking, plan_ranking
+    from ..plan import PlanSpec, PlanSpecError, build_plan, cache_dims
 
     folder = resolve_model(spec.path, revision=spec.revision, weights=False)
     try:
@@ -52,14 +53,12 @@ def resolve_source(spec: ModelSection) -> ModelSource:
         return ModelSource(folder, True, original, original_path, None, record, spec)
     config = read_source_config_dict(folder)
     plan_spec = spec.convert or PlanSpec()
-    ranking = None
+    ranking = Ranking(None, None, None)
     if plan_spec.needs_ranking:  # the retrieval probe reads the weights (downloaded here for a Hub id)
-        from ..conversion.layer_ranking import plan_ranking
-
         folder = resolve_model(spec.path, revision=spec.revision)
-        ranking, _ = plan_ranking(folder, plan_spec, config["num_hidden_layers"])
+        ranking = plan_ranking(folder, plan_spec, config["num_hidden_layers"])
     try:
-        plan = build_plan(config["num_hidden_layers"], plan_spec, ranking)
+        plan = build_plan(config["num_hidden_layers"], plan_spec, ranking.layers, ranking.heads, cache_dims(config)[0])
     except PlanSpecError as error:
         raise NHARetrofitError(f"recipe key model.convert.{error.field}: {error.detail}") from None
     return ModelSource(folder, False, spec.path, folder, plan, None, spec)

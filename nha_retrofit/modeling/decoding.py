@@ -45,7 +45,7 @@ def every_window_full(model):
     """The NHA model with every window full on `model`'s tensors: the original's attention in every layer, decoding
     through the same `NHAStaticCache` path as NHA (its full layers' steps, a CUDA graph on CUDA)."""
     config = copy.deepcopy(model.config)
-    config.nha_windows = [None] * len(config.nha_windows)
+    config.nha_windows, config.nha_full_kv_heads = [None] * len(config.nha_windows), None
     return sharing_weights(model, type(model), config)
 
 

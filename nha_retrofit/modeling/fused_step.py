@@ -93,17 +93,27 @@ def attention_rotary_qkv(attention, hidden_states, position_embeddings):
         q_norm.variance_epsilon if q_norm is not None else 0.0, *position_embeddings)
 
 
+# the attention's small functions of tensors that a fused step runs compiled: the head split of layers with full KV
+# heads (index gathers, each compiled into one kernel)
+COMPILED_ATTENTION_FUNCTIONS = ("split_heads", "merge_heads")
+
+
 @contextlib.contextmanager
 def fused_decoder_layers(layers):
     """Inside: each of `layers` steps through `decoder_layer_step`, its attention's projections through
-    `attention_rotary_qkv`, except a layer whose forward is already wrapped (accelerate's device-map hooks set it on
-    the instance: they move the inputs to the layer's device)."""
+    `attention_rotary_qkv` and its `COMPILED_ATTENTION_FUNCTIONS` compiled, except a layer whose forward is already
+    wrapped (accelerate's device-map hooks set it on the instance: they move the inputs to the layer's device)."""
     fused = [layer for layer in layers if "forward" not in vars(layer)]
     for layer in fused:
         layer.forward = functools.partial(decoder_layer_step, layer)
-        layer.self_attn.rotary_qkv = functools.partial(attention_rotary_qkv, layer.self_attn)
+        attention = layer.self_attn
+        attention.rotary_qkv = functools.partial(attention_rotary_qkv, attention)
+        for name in COMPILED_ATTENTION_FUNCTIONS:
+            setattr(attention, name, compiled(getattr(type(attention), name)))
     try:
         yield
     finally:
         for layer in fused:
             del layer.forward, layer.self_attn.rotary_qkv
+            for name in COMPILED_ATTENTION_FUNCTIONS:
+                delattr(layer.self_attn, name)

@@ -3,9 +3,10 @@
 Each family's NHA attention is its original attention class plus a gate projection and a slot-logit offset:
 the q/k/v/o weights (biases, Qwen3's q_norm/k_norm) and RoPE are the original layer's own. A layer whose
 window is None runs the original attention code unchanged, with an ordinary KV cache; any other layer runs
-the NHA operator. This file and the files it imports are copied into converted checkpoints (remote code,
-`remote_code.py`), so it imports only torch, transformers and those files; nha_retrofit's Triton kernels are used
-where nha_retrofit is installed (`ops/nha/dispatch.py`).
+the NHA operator, except on its full KV heads (`nha_full_kv_heads`), whose query heads attend over every position
+with the model's attention function and cache those heads' keys and values. This file and the files it imports are
+copied into converted checkpoints (remote code, `remote_code.py`), so it imports only torch, transformers and those
+files; nha_retrofit's Triton kernels are used where nha_retrofit is installed (`ops/nha/dispatch.py`).
 """
 
 import contextlib
@@ -15,7 +16,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
@@ -23,6 +25,7 @@ from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
 from ..ops.nha.dispatch import nha_operator
 from .decode_graph import DecodeGraph
 from .fused_step import fused_decoder_layers
+from .head_split import merge_heads, split_heads
 from .nha_cache import NHACache, NHAStaticCache, StaticFullLayer
 
 
@@ -44,10 +47,15 @@ class NHAAttentionMixin:
     """Adds NHA to a family's attention module (mixed in before the original class)."""
 
     rotary_fn = staticmethod(apply_rotary_pos_emb)
+    # the small functions a fused decode step swaps for compiled ones (`fused_step.py`)
+    split_heads = staticmethod(split_heads)
+    merge_heads = staticmethod(merge_heads)
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
         self.window = config.nha_layer_windows[layer_idx]
+        self.full_kv_heads = config.nha_layer_full_kv_heads[layer_idx]
+        self._head_index_cache = {}
         self.num_slots = config.nha_num_slots
         self.gate_normalizer = config.nha_gate_normalizer
         self.num_kv_heads = config.num_key_value_heads
@@ -97,18 +105,55 @@ class NHAAttentionMixin:
         q, k, v, q_rope, k_rope = operator_inputs(*self.rotary_qkv(hidden_states, position_embeddings))
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         slot_bias = self.slot_bias if self.slot_reads else torch.full_like(self.slot_bias, float("-inf"))
+        gate_logits = self.gate_logits(hidden_states)
+        if self.full_kv_heads:
+            index = self._head_index(q.device)
+            (q, k, v, q_rope, k_rope, gate_logits, slot_bias), full = self.split_heads(
+                index, q, k, v, q_rope, k_rope, gate_logits, slot_bias)
+            full = self._full_heads_attention(*full, attention_mask, layer_cache, kwargs)
         out, state = nha_operator(
-            q, k, v, q_rope, k_rope, self.gate_logits(hidden_states), self.gate_normalizer, self.window, self.scaling,
+            q, k, v, q_rope, k_rope, gate_logits, self.gate_normalizer, self.window, self.scaling,
             padding_mask, slot_bias, layer_cache.state if layer_cache is not None else None,
             layer_cache is not None,
         )
         if layer_cache is not None:
             layer_cache.store(state, length)
+        if self.full_kv_heads:
+            out = self.merge_heads(index[-1], out, full)
         output = self.o_proj(out.reshape(batch, length, -1))
         if self.attention_transfer:
             self.transfer_loss = self._transfer_loss(output, hidden_states, position_embeddings, attention_mask,
                                                      padding_mask, kwargs)
         return output, None
+
+    def _head_index(self, device):
+        """(NHA KV heads, their query heads, full KV heads, their query heads, order) as index tensors on `device`;
+        `order` puts the query heads of [NHA outputs, full outputs] back in the layer's head order."""
+        if device not in self._head_index_cache:
+            groups = self.config.num_attention_heads // self.num_kv_heads
+            full = list(self.full_kv_heads)
+            nha = [head for head in range(self.num_kv_heads) if head not in full]
+            query = lambda heads: [head * groups + i for head in heads for i in range(groups)]
+            ordered = query(nha) + query(full)
+            order = sorted(range(len(ordered)), key=ordered.__getitem__)
+            self._head_index_cache[device] = tuple(torch.tensor(ids, dtype=torch.long, device=device)
+                                                   for ids in (nha, query(nha), full, query(full), order))
+        return self._head_index_cache[device]
+
+    def _full_heads_attention(self, q, k, v, attention_mask, layer_cache, kwargs):
+        """The full KV heads' attention, as the original layer computes it (q, k post-RoPE; [B, T, heads, D]): their
+        keys and values join the layer cache's full part, and the model's attention function reads them with the mask
+        full layers get; a one-token step on a static cache reads every stored position (`StaticFullLayer.decode`)."""
+        if isinstance(layer_cache, StaticFullLayer) and q.shape[1] == 1:
+            return layer_cache.decode(q, k, v, self.scaling)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if layer_cache is not None:
+            k, v = layer_cache.update(k, v)
+        implementation = self.config._attn_implementation
+        attend = eager_attention_forward if implementation == "eager" else ALL_ATTENTION_FUNCTIONS[implementation]
+        out, _ = attend(self, q.transpose(1, 2), k, v, attention_mask,
+                        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        return out
 
     def _decode_on_static_cache(self, hidden_states, position_embeddings, layer_cache):
         """A full layer's one-token step on a static cache: the original projections and RoPE, then attention over the
@@ -153,19 +198,28 @@ class NHAForCausalLMMixin:
     def nha_attention_layers(self):
         return [layer.self_attn for layer in self.model.layers]
 
-    def set_windows(self, windows):
-        """Change every layer's window at inference time (int >= 0, or None = full attention); the new plan is
-        written to `config.nha_windows`, so it is what `save_pretrained` records."""
+    def set_windows(self, windows, full_kv_heads=None):
+        """Change every layer's window at inference time (int >= 0, or None = full attention) and, when given, its
+        full KV heads (one list per layer); the new plan is written to `config.nha_windows` and
+        `config.nha_full_kv_heads`, so it is what `save_pretrained` records. Without `full_kv_heads`, a layer made
+        full drops its full KV heads (all of its heads are full then) and the others keep theirs."""
         windows = list(windows)
-        previous = self.config.nha_windows
+        previous = self.config.nha_windows, self.config.nha_full_kv_heads
         self.config.nha_windows = windows
+        if full_kv_heads is not None:
+            self.config.nha_full_kv_heads = [list(heads) for heads in full_kv_heads]
+        elif previous[1] is not None:
+            self.config.nha_full_kv_heads = [[] if window is None else heads
+                                             for window, heads in zip(windows, previous[1])]
         try:
             self.config.validate_nha()
         except ValueError:
-            self.config.nha_windows = previous
+            self.config.nha_windows, self.config.nha_full_kv_heads = previous
             raise
-        for attention, window in zip(self.nha_attention_layers(), windows):
-            attention.window = window
+        for attention, window, heads in zip(self.nha_attention_layers(), windows,
+                                            self.config.nha_layer_full_kv_heads):
+            attention.window, attention.full_kv_heads = window, heads
+            attention._head_index_cache.clear()
 
     @contextlib.contextmanager
     def slot_reads_disabled(self):

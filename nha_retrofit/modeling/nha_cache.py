@@ -1,4 +1,5 @@
-"""The generation caches of NHA hybrids: an ordinary KV cache for full layers, a fixed-size state for NHA layers.
+"""The generation caches of NHA hybrids: an ordinary KV cache for full layers, a fixed-size state for NHA layers,
+and both for an NHA layer with full KV heads (the full heads' keys and values, the other heads' state).
 
 `NHACache` grows its full layers' keys and values token by token (transformers' `DynamicLayer`). `NHAStaticCache`
 allocates everything once, for a maximum length, and updates it in place: the full layers' keys and values, the NHA
@@ -87,16 +88,66 @@ class NHACacheLayer(CacheLayerMixin):
             raise NotImplementedError("an NHA cache cannot be cropped: absorbed tokens cannot be removed")
 
 
+class MixedCacheLayer(DynamicLayer):
+    """An NHA layer with full KV heads: those heads' keys and values grow as a `DynamicLayer`'s (a full layer, to
+    transformers' mask builders), the other heads' `NHAState` is kept by `nha` (an `NHACacheLayer`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nha = NHACacheLayer()
+
+    @property
+    def state(self) -> NHAState | None:
+        return self.nha.state
+
+    def store(self, state: NHAState, new_tokens: int) -> None:
+        self.nha.store(state, new_tokens)
+
+    def state_bytes(self) -> int:
+        return self.nha.state_bytes()
+
+    def reset(self) -> None:
+        super().reset()
+        self.nha.reset()
+
+    def offload(self):
+        super().offload()
+        self.nha.offload()
+
+    def prefetch(self):
+        super().prefetch()
+        self.nha.prefetch()
+
+    def reorder_cache(self, beam_idx) -> None:
+        super().reorder_cache(beam_idx)
+        self.nha.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.nha.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        super().batch_select_indices(indices)
+        self.nha.batch_select_indices(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.nha.crop(tokens_to_remove)
+
+
 class NHACache(Cache):
-    """Built from the model config's `nha_windows`: `DynamicLayer` for full layers, `NHACacheLayer` otherwise."""
+    """Built from the model config's plan: `DynamicLayer` for full layers, `NHACacheLayer` for NHA layers,
+    `MixedCacheLayer` for NHA layers with full KV heads."""
 
     def __init__(self, config):
-        layers = [DynamicLayer() if window is None else NHACacheLayer() for window in config.nha_layer_windows]
+        layers = [DynamicLayer() if window is None else MixedCacheLayer() if heads else NHACacheLayer()
+                  for window, heads in zip(config.nha_layer_windows, config.nha_layer_full_kv_heads)]
         super().__init__(layers=layers)
 
     def nha_state_bytes(self) -> list[int]:
-        """Bytes held by each NHA layer (0 for full layers, which hold an ordinary growing KV cache)."""
-        return [layer.state_bytes() if isinstance(layer, NHACacheLayer) else 0 for layer in self.layers]
+        """Bytes held by each layer's NHA state (0 for full layers, which hold an ordinary growing KV cache; an NHA
+        layer's full heads hold one too, not counted here)."""
+        return [layer.state_bytes() if isinstance(layer, (NHACacheLayer, MixedCacheLayer)) else 0
+                for layer in self.layers]
 
 
 # A static cache longer than this stores a multiple of SPLIT_TOKENS positions per full layer, and a decode step reads
@@ -342,9 +393,36 @@ class NHAStaticLayer(_StaticLayer):
         self.filled = False
 
 
+class StaticMixedLayer(StaticFullLayer):
+    """An NHA layer with full KV heads on a static cache: those heads' keys and values as a `StaticFullLayer`'s, the
+    other heads' state in `nha` (an `NHAStaticLayer`)."""
+
+    def __init__(self, positions: StaticPositions, full_heads: int, nha: "NHAStaticLayer", head_dim: int, dtype,
+                 kv_dtype=None):
+        super().__init__(positions, full_heads, head_dim, dtype, kv_dtype)
+        self.nha = nha
+
+    @property
+    def state(self) -> NHAState | None:
+        return self.nha.state
+
+    def store(self, state: NHAState, new_tokens: int) -> None:
+        self.nha.store(state, new_tokens)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return super().tensors() + self.nha.tensors()
+
+    def state_bytes(self) -> int:
+        return self.nha.state_bytes()
+
+    def reset(self) -> None:
+        self.nha.reset()
+
+
 class NHAStaticCache(Cache):
     """Everything allocated at construction for `batch_size` sequences of up to `max_cache_len` tokens:
-    `StaticFullLayer` for full layers, `NHAStaticLayer` otherwise, sharing one `StaticPositions`. On CUDA the model
+    `StaticFullLayer` for full layers, `NHAStaticLayer` for NHA layers, `StaticMixedLayer` for NHA layers with full
+    KV heads, sharing one `StaticPositions`. On CUDA the model
     replays its one-token steps on this cache from a CUDA graph captured at its first one-token step
     (`decode_graph.py`), unless built with `cuda_graph=False`. `kv_cache_dtype` (default: `dtype`) is what the full
     layers store their keys and values in (`StaticFullLayer`: float8 e4m3 halves them)."""
@@ -354,11 +432,18 @@ class NHAStaticCache(Cache):
         self.positions = StaticPositions(batch_size, stored_length(max_cache_len), device)
         kv_heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        layers = [
-            StaticFullLayer(self.positions, kv_heads, head_dim, dtype, kv_cache_dtype) if window is None
-            else NHAStaticLayer(self.positions, window, kv_heads, config.nha_num_slots, head_dim, dtype)
-            for window in config.nha_layer_windows
-        ]
+
+        def layer(window, full_heads):
+            if window is None:
+                return StaticFullLayer(self.positions, kv_heads, head_dim, dtype, kv_cache_dtype)
+            nha = NHAStaticLayer(self.positions, window, kv_heads - len(full_heads), config.nha_num_slots, head_dim,
+                                 dtype)
+            if not full_heads:
+                return nha
+            return StaticMixedLayer(self.positions, len(full_heads), nha, head_dim, dtype, kv_cache_dtype)
+
+        layers = [layer(window, heads) for window, heads in zip(config.nha_layer_windows,
+                                                                 config.nha_layer_full_kv_heads)]
         super().__init__(layers=layers)
         self.config, self.dtype, self.kv_cache_dtype = config, dtype, kv_cache_dtype
         self.cuda_graph = cuda_graph and self.positions.real.device.type == "cuda"
@@ -370,8 +455,9 @@ class NHAStaticCache(Cache):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def nha_state_bytes(self) -> list[int]:
-        """Bytes held by each NHA layer (0 for full layers)."""
-        return [layer.state_bytes() if isinstance(layer, NHAStaticLayer) else 0 for layer in self.layers]
+        """Bytes held by each layer's NHA state (0 for full layers; an NHA layer's full heads are not counted here)."""
+        return [layer.state_bytes() if isinstance(layer, (NHAStaticLayer, StaticMixedLayer)) else 0
+                for layer in self.layers]
 
     def reset(self) -> None:
         super().reset()
@@ -386,8 +472,8 @@ class NHAStaticCache(Cache):
         pairs = [(new.positions.length, self.positions.length), (new.positions.real, self.positions.real)]
         for target, source in zip(new.layers, self.layers):
             pairs += zip(target.tensors(), source.tensors())
-            if isinstance(source, NHAStaticLayer):
-                target.filled = source.filled
+            if isinstance(source, (NHAStaticLayer, StaticMixedLayer)):
+                getattr(target, "nha", target).filled = getattr(source, "nha", source).filled
         for target, source in pairs:
             copy_repeated(target, source, repeats)
         return new

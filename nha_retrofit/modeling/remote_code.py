@@ -17,6 +17,7 @@ REMOTE_CODE_FILES = {
     "nha_cache.py": _MODELING / "nha_cache.py",
     "decode_graph.py": _MODELING / "decode_graph.py",
     "fused_step.py": _MODELING / "fused_step.py",
+    "head_split.py": _MODELING / "head_split.py",
     "dispatch.py": _OPERATOR / "dispatch.py",
     "chunk_torch.py": _OPERATOR / "chunk_torch.py",
     "recurrent_torch.py": _OPERATOR / "recurrent_torch.py",

@@ -52,6 +52,21 @@ def test_report_names_each_rows_gpu_and_its_retrieval_ratio(tmp_path, seed):
     assert float(lines[2].split("|")[13].split("/")[0]) > float(lines[3].split("|")[13].split("/")[0])
 
 
+def test_full_kv_heads_cost_their_keys_and_values_per_token_instead_of_their_state():
+    from nha_retrofit.plan import nha_state_bytes
+
+    heads = [[layer, layer % 3] for layer in range(15)]
+    costs = quality_sweep.cache_costs([256] * 30, 64, 30, kv_heads=3, head_dim=64, full_kv_heads=heads,
+                                      swept_kv_heads=3)
+    state = nha_state_bytes(3, 64, 64, 256, 2)
+    head_state = nha_state_bytes(1, 64, 64, 256, 2) - nha_state_bytes(0, 64, 64, 256, 2)
+    assert (costs["full_layers"], costs["full_kv_heads"]) == (0, 15)
+    assert costs["cache_bytes_8192"] == 30 * state + 15 * (8192 * 2 * 64 * 2 - head_state)
+    on_8b = quality_sweep.cache_costs([256] * 30, 64, full_kv_heads=heads, swept_kv_heads=3, **quality_sweep.LLAMA3_8B)
+    assert on_8b["full_kv_heads"] == round(15 / 90 * 32 * 8)  # the same share of the 8B shape's 256 KV heads
+    assert quality_sweep.full_attention({"full_layer_ids": [], "full_kv_heads": [[6, 0], [7, 2]]}) == "[] + 6:0 7:2"
+
+
 def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tiny_finetuned_checkpoint):
     """`--skip-training --converted`: a trained variant (here a stand-in exported model) scored on the suite against
     the converted checkpoint's original, once through one forward and once through an fp8 full-layer cache, each a
@@ -76,7 +91,8 @@ def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tin
     row = rows["tiny"]
     assert row["machine"] == summary["machine"] and row["overrides"] == ["train.lr=1e-4"]
     gate_bias = json.loads((tiny_finetuned_checkpoint / "config.json").read_text())["nha_gate_bias_init"]
-    assert row["plan"] == {"full_layer_ids": [0], "window": 8, "slots": 5, "layers": 4, "gate_bias_init": gate_bias}
+    assert row["plan"] == {"full_layer_ids": [0], "full_kv_heads": [], "window": 8, "slots": 5, "layers": 4,
+                           "gate_bias_init": gate_bias}
     assert row["trainable"] == "attention"
     assert row["perplexity_ratio"] == pytest.approx({"python-docs": 1.1, "python-stdlib": 13 / 11,
                                                      "shakespeare": 15 / 12})

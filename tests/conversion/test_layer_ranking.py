@@ -9,8 +9,9 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from ft_helpers import write_tiny_original
 from nha_retrofit.conversion import convert
-from nha_retrofit.conversion.layer_ranking import probe_prompts, rank_layers, retrieval_scores
+from nha_retrofit.conversion.layer_ranking import probe_prompts, probe_scores, rank_heads, rank_layers, retrieval_scores
 from nha_retrofit.errors import NHARetrofitError
+from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.plan import PlanSpec, build_plan
 
 LENGTH = 96
@@ -36,8 +37,10 @@ def test_probe_prompts_are_exact_and_hold_their_record(original):
 def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
     tokenizer = AutoTokenizer.from_pretrained(original)
     model = LlamaForCausalLM.from_pretrained(original, attn_implementation="eager").eval()
-    scores = retrieval_scores(model, tokenizer, samples=3, length=LENGTH)
+    scores = probe_scores(model, tokenizer, samples=3, length=LENGTH)
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
     expected = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
+    expected_heads = torch.zeros(model.config.num_hidden_layers, model.config.num_key_value_heads, dtype=torch.float64)
     for prompt, record, answer in probe_prompts(tokenizer, samples=3, length=LENGTH):
         with torch.no_grad():
             attentions = model(torch.tensor([prompt]), output_attentions=True).attentions
@@ -46,8 +49,13 @@ def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
             means = [sum(sum(float(heads[h, q, k]) for k in record) for q in answer) / len(answer)
                      for h in range(heads.shape[0])]
             expected[layer] += max(means) / 3
-    assert torch.allclose(torch.tensor(scores, dtype=torch.float64), expected, atol=1e-5)
+            for kv_head in range(model.config.num_key_value_heads):
+                expected_heads[layer, kv_head] += max(means[kv_head * groups : (kv_head + 1) * groups]) / 3
+    assert torch.allclose(torch.tensor(scores.layers, dtype=torch.float64), expected, atol=1e-5)
+    assert torch.allclose(torch.tensor(scores.heads, dtype=torch.float64), expected_heads, atol=1e-5)
+    assert retrieval_scores(model, tokenizer, samples=3, length=LENGTH) == scores.layers
     assert rank_layers([0.1, 0.5, 0.5, 0.2]) == [1, 2, 3, 0]
+    assert rank_heads([[0.1, 0.5], [0.5, 0.2]]) == [(0, 1), (1, 0), (1, 1), (0, 0)]
 
 
 def test_the_default_plan_keeps_the_strongest_retrieval_layers_full(original, tmp_path):
@@ -59,6 +67,24 @@ def test_the_default_plan_keeps_the_strongest_retrieval_layers_full(original, tm
     with pytest.raises(NHARetrofitError, match="--select retrieval ranks the layers by probing"):
         build_plan(len(windows), PlanSpec(full_layers=2))
     assert build_plan(4, PlanSpec(full_layers=2), ranking=[3, 0, 1, 2]).windows == (None, 256, 256, None)
+
+
+def test_full_kv_heads_are_the_strongest_retrieval_heads_and_the_checkpoint_runs(original, tmp_path):
+    out = convert(original, tmp_path / "nha", PlanSpec(full_kv_heads=3, window=4, slots=4), log=lambda *_: None)
+    record = json.loads((out / "nha_conversion.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    chosen = rank_heads(record["head_retrieval_scores"])[:3]
+    assert config["nha_windows"] == [4] * 4 or None in config["nha_windows"]  # a layer given every head is full
+    heads = config["nha_full_kv_heads"]
+    kept = {(layer, head) for layer, ids in enumerate(heads) for head in ids}
+    full = {(layer, head) for layer, window in enumerate(config["nha_windows"]) if window is None
+            for head in range(len(record["head_retrieval_scores"][layer]))}
+    assert kept | (full & set(chosen)) == set(chosen) and kept
+    model = load_nha_checkpoint(out, torch.float32)
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    assert [list(h) for h in model.config.nha_layer_full_kv_heads] == [sorted(ids_) for ids_ in heads]
 
 
 def test_a_model_without_a_tokenizer_gets_evenly_spaced_full_layers_and_is_told(tiny_llama_folder, tmp_path):

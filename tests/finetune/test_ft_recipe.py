@@ -126,8 +126,8 @@ def test_every_recipe_dry_runs(name, tiny_world):
     real ones (8B-30B weights, SlimPajama) are not on this machine."""
     model, data, root = tiny_world
     raw = yaml.safe_load((RECIPES / name).read_text())
-    overrides = [f"model.path={model}", "model.convert.full_layer_ids=null", "model.convert.full_layers=1", f"data.files=[{data}/*.txt]", "data.dataset=null",
-                 "data.seq_len=64", "data.eval_blocks=2", f"train.output_dir={root / name}"]
+    overrides = [f"model.path={model}", "model.convert.full_layer_ids=null", "model.convert.full_kv_head_ids=null",
+                 "model.convert.full_layers=1", f"data.files=[{data}/*.txt]", "data.dataset=null", "data.seq_len=64", "data.eval_blocks=2", f"train.output_dir={root / name}"]
     plan = finetune(RECIPES / name, overrides, dry_run=True, log=lambda *_: None)
     assert plan["total_steps"] >= 1 and plan["trainable_parameters"] > 0
     assert plan["total_tokens"] >= raw["stages"]["lm"]["tokens"]

@@ -36,7 +36,16 @@ def test_fused_layers_step_as_their_own_forwards(family):
         fused = step_logits(model, ids, fused=True)
     assert (fused - expected).abs().max() <= 1e-6 * expected.abs().max()
     assert not any("forward" in vars(layer) or "rotary_qkv" in vars(layer.self_attn)  # the context restored them
-                   for layer in model.model.layers)
+                   or "split_heads" in vars(layer.self_attn) for layer in model.model.layers)
+
+
+def test_fused_layers_with_full_kv_heads_step_as_their_own_forwards():
+    _, nha = tiny_nha_pair([3, None, 0, 5], full_kv_heads=[[1], [], [0], [0]])
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(12))
+    expected = step_logits(nha, ids, fused=False)
+    with torch.compiler.set_stance("force_eager"):
+        fused = step_logits(nha, ids, fused=True)
+    assert (fused - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
 def test_the_context_restores_the_layers_after_an_error_and_leaves_wrapped_ones_alone():
@@ -70,3 +79,14 @@ def test_the_compiled_step_is_within_rounding_of_float64():
     own_error = (step_logits(nha, ids, fused=False).double() - reference).abs().max()
     fused_error = (step_logits(nha, ids, fused=True).double() - reference).abs().max()
     assert 0 < fused_error <= 1.25 * own_error
+
+
+@pytest.mark.slow
+def test_the_compiled_step_with_full_kv_heads_is_within_float32_score_rounding_of_float64():
+    """With full KV heads, the compiled head split and merge: in float64 within 1e-7 of the layers' own step (the
+    full heads' cache read rounds its scores to float32, and the compiled RoPE rounds apart from transformers')."""
+    torch._dynamo.reset()
+    _, nha = tiny_nha_pair([3, None, 0, 5], full_kv_heads=[[1], [], [0], [0]])
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(12))
+    reference = step_logits(nha.double(), ids, fused=False)
+    assert (step_logits(nha, ids, fused=True) - reference).abs().max() <= 1e-7 * reference.abs().max()

@@ -138,13 +138,15 @@ def test_static_cache_errors_name_the_limit():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("windows", [[64, None, 64, 64], [0, 4, None, 8]])
-def test_graph_replayed_decode_equals_eager_decode_on_the_gpu(windows):
+@pytest.mark.parametrize("windows, heads", [([64, None, 64, 64], None), ([0, 4, None, 8], None),
+                                            ([64, None, 64, 4], [[1], [], [0], [1]])])
+def test_graph_replayed_decode_equals_eager_decode_on_the_gpu(windows, heads):
     """On CUDA (the Triton decode step): bf16 steps replayed from the CUDA graph give the eager static steps' tokens
     and logits (the fused layers uncompiled, so both run the same operations); in float32, `generate` on the static
     cache (graph-replayed, the fused layers compiled) gives the dynamic cache's tokens and logits within 1e-4 (bf16
-    would let near-tied random logits flip a greedy token)."""
-    _, nha = tiny_nha_pair(windows, slots=16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    would let near-tied random logits flip a greedy token). With full KV heads too."""
+    _, nha = tiny_nha_pair(windows, slots=16, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           full_kv_heads=heads)
     ids, mask = left_padded_ids([40, 23, 9], 40, seed=5)
     ids, mask = ids.cuda(), mask.cuda()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

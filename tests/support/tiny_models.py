@@ -19,11 +19,12 @@ def tiny_llama(seed=0, **overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).eval()
 
 
-def tiny_nha_pair(windows, slots=5, seed=0, slot_bias_init=-1.0, **overrides):
+def tiny_nha_pair(windows, slots=5, seed=0, slot_bias_init=-1.0, full_kv_heads=None, **overrides):
     """An original tiny Llama and an NHA model sharing its weights (random gates), in eval mode."""
     original = tiny_llama(seed, **overrides)
     config = NHALlamaConfig(
-        **{**TINY_LLAMA, **overrides}, nha_windows=list(windows), nha_num_slots=slots, nha_slot_bias_init=slot_bias_init
+        **{**TINY_LLAMA, **overrides}, nha_windows=list(windows), nha_num_slots=slots, nha_slot_bias_init=slot_bias_init,
+        nha_full_kv_heads=full_kv_heads,
     )
     torch.manual_seed(seed + 1)
     nha = NHALlamaForCausalLM(config).eval()
