@@ -81,16 +81,13 @@ class ProbeScores(NamedTuple):
 
 
 @torch.no_grad()
-def probe_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
-                 progress: bool = False) -> ProbeScores:
-    """The retrieval probe's `ProbeScores` of the original `model` (run with eager attention)."""
+def prompt_scores(model, prompts, progress: bool = False) -> ProbeScores:
+    """The `ProbeScores` of the original `model` (run with eager attention) on `prompts` (`probe_prompts`)."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     groups = model.config.num_attention_heads // (model.config.num_key_value_heads or model.config.num_attention_heads)
-    heads = None
-    layers = None
-    prompts = probe_prompts(tokenizer, samples, length)
+    heads = layers = None
     for prompt, record, answer in tqdm(prompts, desc="retrieval probe", unit="prompt", disable=not progress,
                                        leave=False):
         out = model(torch.tensor([prompt], device=device), output_attentions=True, use_cache=False,
@@ -99,7 +96,13 @@ def probe_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = P
                                 for weights in out.attentions])  # [layers, KV heads]
         heads = per_head if heads is None else heads + per_head
         layers = per_head.amax(-1) if layers is None else layers + per_head.amax(-1)
-    return ProbeScores((layers / samples).tolist(), (heads / samples).tolist())
+    return ProbeScores((layers / len(prompts)).tolist(), (heads / len(prompts)).tolist())
+
+
+def probe_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
+                 progress: bool = False) -> ProbeScores:
+    """The retrieval probe's `ProbeScores` of the original `model` (run with eager attention)."""
+    return prompt_scores(model, probe_prompts(tokenizer, samples, length), progress)
 
 
 def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
