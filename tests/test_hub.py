@@ -81,6 +81,10 @@ def test_card_names_a_hub_base_model_and_the_finetuning_numbers():
     assert "| eval_ppl | 31.5 | 7.125 |" in card and "| original_eval_ppl | 6.25 | - |" in card
     assert "holds a fixed 1,048,649 bytes per sequence" in card  # 2*8*64*128*4 + 64*(8*(3*128*2 + 256) + 1) + 9
     assert "base_model" not in model_card("me/x", config, {"source": "/home/me/llama"})
+    heads = model_card("me/x", {**config, "nha_full_kv_heads": [[], [1, 5], [0], []]}, record)
+    assert "keep full attention, and so do KV heads (layer:head) 1:1, 1:5, 2:0 inside NHA layers." in heads
+    assert "KV cache only for the full layers and heads; each NHA layer holds a fixed 1,048,649 bytes per sequence " \
+           "at most" in heads
 
 
 def test_card_metadata_holds_the_latest_evaluation_of_the_nha_model():

@@ -126,3 +126,10 @@ def test_cli_search_downloads_a_hub_id_at_its_revision_with_the_token(monkeypatc
     code, output = cli("search", "org/model", "--revision", "v2", "--token", "hf_secret")
     assert (code, output) == (1, "error: not on this machine")
     assert asked == {"model": "org/model", "revision": "v2", "token": "hf_secret"}
+
+
+def test_the_search_leaves_full_kv_heads_to_the_probe():
+    from nha_retrofit.errors import NHARetrofitError
+
+    with pytest.raises(NHARetrofitError, match="the search chooses whole full layers; full KV heads are placed by"):
+        search_full_layers("smollm2-135m", PlanSpec(full_kv_heads=2))

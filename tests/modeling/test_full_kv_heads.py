@@ -98,6 +98,18 @@ def test_set_windows_keeps_or_replaces_the_full_heads():
     assert nha.config.nha_full_kv_heads == HEADS and nha.model.layers[2].self_attn.full_kv_heads == [1]
 
 
+def test_the_all_full_variant_puts_the_full_heads_back():
+    from nha_retrofit.eval.variants import Variants
+
+    _, nha = tiny_nha_pair(WINDOWS, full_kv_heads=HEADS)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = nha(ids).logits
+        with Variants(nha, ["nha_all_full"]).use("nha_all_full") as model:
+            assert model.config.nha_windows == [None] * 4 and model(ids).logits.sub(before).abs().max() > 1e-3
+        assert nha.config.nha_full_kv_heads == HEADS and torch.equal(nha(ids).logits, before)
+
+
 @pytest.mark.parametrize("heads, problem", [
     ([[2], [], [], []], "distinct KV head ids 0..1"),
     ([[0, 0], [], [], []], "distinct KV head ids"),
