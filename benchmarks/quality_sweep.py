@@ -127,8 +127,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
         scored = suite_report(hits, suite, ["original", "nha"], kv_cache=args.kv_cache_dtype)
         windows = list(model.config.nha_windows)
         plan = {"full_layer_ids": [i for i, w in enumerate(windows) if w is None],
-                "full_kv_heads": [[layer, head] for layer, ids in enumerate(model.config.nha_layer_full_kv_heads)
-                                  for head in ids],
+                "full_kv_heads": model.config.nha_full_kv_head_pairs,
                 "window": max((w for w in windows if w is not None), default=0),
                 "slots": model.config.nha_num_slots, "layers": len(windows),
                 "gate_bias_init": model.config.nha_gate_bias_init}

@@ -291,8 +291,9 @@ def plan_table(config: dict, spec: PlanSpec = PlanSpec(), ranking=None, head_ran
         fixed_bytes += state
         cost = f"{state:,} B fixed"
         if full_heads:
-            per_token += len(full_heads) * kv_per_token // kv_heads
-            cost += f" + {len(full_heads) * kv_per_token // kv_heads:,} B per token"
+            heads_per_token = len(full_heads) * kv_per_token // kv_heads
+            per_token += heads_per_token
+            cost += f" + {heads_per_token:,} B per token"
         lines.append(f"| {layer} | {window} | {plan.num_slots} | {','.join(map(str, full_heads)) or '-'} | "
                      f"{params:,} | {cost} |")
     lines += [

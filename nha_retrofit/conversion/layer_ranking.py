@@ -7,8 +7,8 @@ The probe: `samples` prompts of `length` tokens of Python standard-library sourc
 on, never a held-out text of the evaluations), each with one record line (`registry entry KEY holds VALUE`) at a
 random line start in its first half, and the record's first words again at the end. In the original model (eager
 attention, so the weights are returned), a KV head's score is the largest, over its query heads, of the attention mass
-the positions that predict the value put on the record's tokens, averaged over the prompts, and a layer's is its
-strongest KV head's. Layers and heads rank by score.
+the positions that predict the value put on the record's tokens, averaged over the prompts; a layer's is the largest
+over all of its heads, averaged the same way. Layers and heads rank by score.
 On SmolLM2-135M the retrieval heads sit in layers 7, 14, 17, 18, 20, 21 and 23; the evenly spaced default of 4 of 30
 (3, 10, 18, 25) kept one of them (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy).
 """
@@ -103,12 +103,6 @@ def probe_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = P
                  progress: bool = False) -> ProbeScores:
     """The retrieval probe's `ProbeScores` of the original `model` (run with eager attention)."""
     return prompt_scores(model, probe_prompts(tokenizer, samples, length), progress)
-
-
-def retrieval_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
-                     progress: bool = False) -> list[float]:
-    """Per layer of the original `model`, its `ProbeScores.layers`."""
-    return probe_scores(model, tokenizer, samples, length, progress).layers
 
 
 def rank_layers(scores: list[float]) -> list[int]:

@@ -161,8 +161,7 @@ class Run:
             "model": str(self.source.folder),
             "converted_on_the_fly": not self.source.converted,
             "full_layers": [i for i, w in enumerate(self.config.nha_windows) if w is None],
-            "full_kv_heads": [[layer, head] for layer, heads in enumerate(self.config.nha_layer_full_kv_heads)
-                              for head in heads],
+            "full_kv_heads": self.config.nha_full_kv_head_pairs,
             "windows": sorted({w for w in self.config.nha_windows if w is not None}),
             "processes": accelerator_processes,
             "tokens_per_step": per_step,

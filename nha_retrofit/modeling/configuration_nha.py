@@ -75,6 +75,11 @@ class NHAConfigMixin:
         heads = self.nha_full_kv_heads or [[]] * self.num_hidden_layers
         return [sorted(ids) for ids in heads]
 
+    @property
+    def nha_full_kv_head_pairs(self) -> list:
+        """The full KV heads as [layer, head] pairs."""
+        return [[layer, head] for layer, ids in enumerate(self.nha_layer_full_kv_heads) for head in ids]
+
 
 @strict
 class NHALlamaConfig(NHAConfigMixin, LlamaConfig):

@@ -88,13 +88,11 @@ class NHACacheLayer(CacheLayerMixin):
             raise NotImplementedError("an NHA cache cannot be cropped: absorbed tokens cannot be removed")
 
 
-class MixedCacheLayer(DynamicLayer):
-    """An NHA layer with full KV heads: those heads' keys and values grow as a `DynamicLayer`'s (a full layer, to
-    transformers' mask builders), the other heads' `NHAState` is kept by `nha` (an `NHACacheLayer`)."""
+class NHAHeadsPart:
+    """What a layer with full KV heads shows the NHA operator: the state and `store` of its `nha` part (the other
+    heads' cache layer), and that part's bytes."""
 
-    def __init__(self):
-        super().__init__()
-        self.nha = NHACacheLayer()
+    nha: CacheLayerMixin
 
     @property
     def state(self) -> NHAState | None:
@@ -105,6 +103,15 @@ class MixedCacheLayer(DynamicLayer):
 
     def state_bytes(self) -> int:
         return self.nha.state_bytes()
+
+
+class MixedCacheLayer(NHAHeadsPart, DynamicLayer):
+    """An NHA layer with full KV heads: those heads' keys and values grow as a `DynamicLayer`'s (a full layer, to
+    transformers' mask builders), the other heads' `NHAState` is kept by `nha` (an `NHACacheLayer`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nha = NHACacheLayer()
 
     def reset(self) -> None:
         super().reset()
@@ -393,7 +400,7 @@ class NHAStaticLayer(_StaticLayer):
         self.filled = False
 
 
-class StaticMixedLayer(StaticFullLayer):
+class StaticMixedLayer(NHAHeadsPart, StaticFullLayer):
     """An NHA layer with full KV heads on a static cache: those heads' keys and values as a `StaticFullLayer`'s, the
     other heads' state in `nha` (an `NHAStaticLayer`)."""
 
@@ -402,18 +409,8 @@ class StaticMixedLayer(StaticFullLayer):
         super().__init__(positions, full_heads, head_dim, dtype, kv_dtype)
         self.nha = nha
 
-    @property
-    def state(self) -> NHAState | None:
-        return self.nha.state
-
-    def store(self, state: NHAState, new_tokens: int) -> None:
-        self.nha.store(state, new_tokens)
-
     def tensors(self) -> list[torch.Tensor]:
         return super().tensors() + self.nha.tensors()
-
-    def state_bytes(self) -> int:
-        return self.nha.state_bytes()
 
     def reset(self) -> None:
         self.nha.reset()
