@@ -11,7 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.parametrize("script", ["ops.py", "kernel_profile.py", "decode_host.py", "e2e_kernel.py",
-                                    "decode_fusion.py", "retrieval_heads.py"])
+                                    "decode_fusion.py", "retrieval_heads.py", "stored_read.py"])
 def test_help_runs_the_imports(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), "--help"])
     with pytest.raises(SystemExit) as exit_:

@@ -1,0 +1,102 @@
+"""The one-token read of a static cache (full layers and full KV heads: `nha_cache.read_stored`) on one GPU: its two
+forms, the grouped matmuls (`attend_stored`) and PyTorch's SDPA with the real-token mask and native GQA
+(`attend_stored_sdpa`, what CUDA runs), against the bytes floor. Each read is captured in a CUDA graph (ten reads per
+replay), as a decode step replays it; medians and ranges over rounds in alternating order.
+
+Shapes: 4 query heads per kv head, head dim 128, bf16, batch 1; 1 / 4 / 8 kv heads (a layer's full heads, or a full
+layer of Llama-3-8B) at 4K and 32K positions. Writes benchmarks/results/stored_read_<gpu>.json.
+
+    python benchmarks/stored_read.py [--kv-heads 1,4,8] [--lengths 4096,32768] [--rounds 5]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nha_retrofit.bench.engine import machine_tag  # noqa: E402
+from nha_retrofit.modeling.nha_cache import attend_stored, attend_stored_sdpa  # noqa: E402
+
+GROUPS, HEAD_DIM = 4, 128
+READS_PER_REPLAY, REPLAYS = 10, 20
+FORMS = {"grouped_matmuls": attend_stored, "sdpa": attend_stored_sdpa}
+
+
+def graphed(read, args):
+    """A CUDA graph of READS_PER_REPLAY reads, after a warm-up on a side stream (as graph capture needs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            read(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(READS_PER_REPLAY):
+            read(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def microseconds_per_read(graph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (REPLAYS * READS_PER_REPLAY)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-heads", default="1,4,8")
+    parser.add_argument("--lengths", default="4096,32768")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    copy_source = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    copy_graph = graphed(lambda: copy_source.clone(), ())
+    bandwidth = 2 * copy_source.numel() / (microseconds_per_read(copy_graph) * 1e-6)  # read + write, bytes/s
+    records = []
+    for kv_heads in map(int, args.kv_heads.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            def draw(*shape):
+                return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+            query = draw(1, 1, kv_heads * GROUPS, HEAD_DIM)
+            keys, values = draw(1, kv_heads, length, HEAD_DIM), draw(1, kv_heads, length, HEAD_DIM)
+            real = torch.ones(1, length, dtype=torch.bool, device="cuda")
+            real[:, -7:] = False  # the unfilled tail of a static cache
+            graphs = {name: graphed(form, (query, keys, values, real, HEAD_DIM**-0.5)) for name, form in FORMS.items()}
+            times = {name: [] for name in FORMS}
+            for round_index in range(args.rounds):
+                order = list(FORMS) if round_index % 2 == 0 else list(reversed(FORMS))
+                for name in order:
+                    times[name].append(microseconds_per_read(graphs[name]))
+            cache_bytes = 2 * keys.numel() * keys.element_size()
+            for name, values_us in times.items():
+                record = {"form": name, "kv_heads": kv_heads, "query_heads": kv_heads * GROUPS, "length": length,
+                          "us": statistics.median(values_us), "us_range": [min(values_us), max(values_us)],
+                          "cache_bytes": cache_bytes, "floor_us": cache_bytes / bandwidth * 1e6}
+                records.append(record)
+                print(f"{name:16s} kv heads {kv_heads} length {length:6d}: {record['us']:7.1f} us "
+                      f"[{record['us_range'][0]:.1f}, {record['us_range'][1]:.1f}], floor {record['floor_us']:.1f}")
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
+              "groups": GROUPS, "head_dim": HEAD_DIM, "rounds": args.rounds,
+              "round_order": "alternating: the forms in turn, reversed every other round",
+              "reads_per_replay": READS_PER_REPLAY, "copy_bandwidth_bytes_per_s": bandwidth, "records": records}
+    path = os.path.join(args.out_dir, f"stored_read_{machine_tag(result['device'])}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
