@@ -4,8 +4,9 @@ Ordinary text rarely makes a model look thousands of tokens back for one exact f
 layers and the slots must keep doing after conversion. A share of the training blocks (`data.synthetic.share`)
 becomes an exercise built on the block's own text: a few record lines are written at random line starts in its first
 part, and the block ends by asking some of them back (the record's key, then its value again), or by quoting an
-earlier line of the block from its first words. Every token keeps its ordinary next-token loss and the teacher's KL,
-so the recall is learnt from the answers' tokens and the rest of the block still trains language modelling.
+earlier line of the block from its first words. Values are numbers, hex strings, made-up words and words of the
+block's own text. Every token keeps its ordinary next-token loss and the teacher's KL, so the recall is learnt from
+the answers' tokens and the rest of the block still trains language modelling.
 
 The wording, keys and values here are the training side's own: the retrieval suite (`eval/needles.py`)
 must share no template with them (a test checks it), so the suite measures retrieval, not these formats.
@@ -15,6 +16,7 @@ Exercises are deterministic given the data seed and the block's index in the str
 from __future__ import annotations
 
 import random
+import re
 
 import torch
 
@@ -37,13 +39,17 @@ def _key(rng: random.Random) -> str:
     return f"{_pseudo_word(rng).upper()}-{rng.randint(10, 999)}"
 
 
-def _value(rng: random.Random) -> str:
-    kind = rng.randrange(3)
+def _value(rng: random.Random, words: list[str]) -> str:
+    """A number, a hex string, a made-up word, or one of `words` (the block's own): a value that is an ordinary word
+    of the text around it can only be told apart by where it stands, which is what a word needle asks of a model."""
+    kind = rng.randrange(4)
     if kind == 0:
         return str(rng.randrange(10 ** rng.randint(3, 7), 10 ** 8))
     if kind == 1:
         return "".join(rng.choice("0123456789abcdef") for _ in range(rng.randint(6, 12)))
-    return _pseudo_word(rng)
+    if kind == 2 or not words:
+        return _pseudo_word(rng)
+    return rng.choice(words)
 
 
 class RecallExercises:
@@ -63,10 +69,11 @@ class RecallExercises:
         if rng.random() >= self.share:
             return block
         ids = block.tolist()
+        words = sorted(set(re.findall(r"\b[a-z]{4,12}\b", self.tokenizer.decode(ids[: self.seq_len // 2]))))
         records, questions = [], []
         for _ in range(self.records):
             record, question = rng.choice(RECORD_FORMATS)
-            key, value = _key(rng), _value(rng)
+            key, value = _key(rng), _value(rng, words)
             records.append(self._encode(record.format(key=key, value=value)))
             questions.append(self._encode(question.format(key=key, value=value)))
         rng.shuffle(questions)

@@ -50,6 +50,21 @@ def test_an_exercise_keeps_the_length_and_asks_only_records_it_holds(tokenizer):
     assert asked >= 12  # at least one record asked back per exercise
 
 
+def test_some_values_are_words_of_the_block_itself(tokenizer):
+    """Besides numbers, hex strings and made-up words, records hold words the block's own text uses elsewhere."""
+    exercises = RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=5)
+    prose = set("the tide turns at dawn while gulls circle over the harbour wall and nets dry".split())
+    values = []
+    for index in range(24):
+        text = tokenizer.decode(exercises.apply(prose_block(tokenizer, index), index))
+        for _, question in RECORD_FORMATS:
+            pattern = re.escape(question.strip()).replace(r"\{key\}", r"\S+").replace(r"\{value\}", r"(\S+?)")
+            values += re.findall(pattern + r"(?:\.|\n|$)", text)
+    from_text = [value for value in values if value in prose]
+    assert from_text and all(len(value) >= 4 for value in from_text)
+    assert len(from_text) < len(values)
+
+
 def test_the_share_is_drawn_per_block_and_repeats_exactly(tokenizer):
     exercises = RecallExercises(tokenizer, SEQ_LEN, share=0.5, records=3, seed=0)
     block = prose_block(tokenizer, 0)
