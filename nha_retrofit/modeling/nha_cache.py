@@ -157,8 +157,9 @@ class NHACache(Cache):
                 for layer in self.layers]
 
 
-# A static cache longer than this stores a multiple of SPLIT_TOKENS positions per full layer, and a decode step reads
-# them in SPLIT_TOKENS-token slices (`attend_stored`), so that a long cache is read by many programs at once.
+# A static cache longer than this stores a multiple of SPLIT_TOKENS positions per full layer, and the grouped-matmul
+# read (`attend_stored`, off CUDA) takes them in SPLIT_TOKENS-token slices, so that a long cache is read by many
+# programs at once; SDPA (`attend_stored_sdpa`, on CUDA) splits the cache itself.
 SPLIT_TOKENS = 256
 SPLIT_FROM = 2048
 
@@ -190,7 +191,7 @@ def attend_stored(query, keys, values, real, scale):
 def attend_stored_sdpa(query, keys, values, real, scale):
     """`attend_stored` through PyTorch's scaled_dot_product_attention (grouped query heads read in place,
     `enable_gqa`; the `real` flags as a boolean mask): one fused kernel on CUDA, which on an H100 reads 32K positions
-    of 8 kv heads in 57 us against 103 us for the grouped matmuls and 67 us for a split-KV Triton kernel."""
+    of 8 kv heads in 57 us against 103 us for the grouped matmuls (docs/benchmarks.md)."""
     out = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(1, 2), keys, values, attn_mask=real[:, None, None, :], scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
