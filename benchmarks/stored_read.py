@@ -1,7 +1,13 @@
-"""The one-token read of a static cache (full layers and full KV heads: `nha_cache.read_stored`) on one GPU: its two
-forms, the grouped matmuls (`attend_stored`) and PyTorch's SDPA with the real-token mask and native GQA
-(`attend_stored_sdpa`, what CUDA runs), against the bytes floor. Each read is captured in a CUDA graph (ten reads per
-replay), as a decode step replays it; medians and ranges over rounds in alternating order.
+"""The one-token read of a static cache (full layers and full KV heads) on one GPU: the shipped grouped matmuls
+(`nha_cache.attend_stored`) against two forms through PyTorch's scaled_dot_product_attention with the real-token mask,
+its native GQA (`enable_gqa`) and each KV head's query heads as that head's query positions (equal head counts, no
+GQA), each under the SDPA backends a decode step allows (`modeling_nha._DECODE_SDPA_BACKENDS`: flash, memory-efficient,
+math; cuDNN's SDPA plans anew for every key length) and under every backend. An SDPA form with `enable_gqa` and a mask
+falls back to the math kernel, which copies every key and value once per query head, unless cuDNN takes it: timed
+alone with every backend it read 32K positions of 8 kv heads in 57 us against the grouped matmuls' 103, and inside the
+decode step it took 1.8 ms per full layer (docs/benchmarks.md). Each read is captured in a CUDA graph (ten reads per
+replay), as a decode step replays it; medians and ranges over rounds in alternating order, and each form's largest
+difference from the grouped matmuls.
 
 Shapes: 4 query heads per kv head, head dim 128, bf16, batch 1; 1 / 4 / 8 kv heads (a layer's full heads, or a full
 layer of Llama-3-8B) at 4K and 32K positions. Writes benchmarks/results/stored_read_<gpu>.json.
@@ -10,20 +16,52 @@ layer of Llama-3-8B) at 4K and 32K positions. Writes benchmarks/results/stored_r
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nha_retrofit.bench.engine import machine_tag  # noqa: E402
-from nha_retrofit.modeling.nha_cache import attend_stored, attend_stored_sdpa  # noqa: E402
+from nha_retrofit.modeling.modeling_nha import _DECODE_SDPA_BACKENDS  # noqa: E402
+from nha_retrofit.modeling.nha_cache import attend_stored  # noqa: E402
 
 GROUPS, HEAD_DIM = 4, 128
 READS_PER_REPLAY, REPLAYS = 10, 20
-FORMS = {"grouped_matmuls": attend_stored, "sdpa": attend_stored_sdpa}
+
+
+def sdpa_enable_gqa(query, keys, values, real, scale):
+    """[B, 1, HQ, D] against [B, H, L, D]: SDPA's native GQA."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), keys, values, attn_mask=real[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def sdpa_heads_as_queries(query, keys, values, real, scale):
+    """[B, H, G, D] against [B, H, L, D]: a KV head's G query heads as its G query positions."""
+    batch, _, q_heads, head_dim = query.shape
+    grouped = query.reshape(batch, keys.shape[1], q_heads // keys.shape[1], head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=real[:, None, None, :],
+                                                           scale=scale)
+    return out.reshape(batch, 1, q_heads, values.shape[-1])
+
+
+def under(backends, read):
+    """`read` with SDPA limited to `backends` (None: every backend)."""
+    def limited(*args):
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            return read(*args)
+    return limited
+
+
+FORMS = {"grouped_matmuls": attend_stored}
+for _name, _read in (("sdpa_enable_gqa", sdpa_enable_gqa), ("sdpa_heads_as_queries", sdpa_heads_as_queries)):
+    FORMS[f"{_name}, decode backends"] = under(_DECODE_SDPA_BACKENDS, _read)
+    FORMS[f"{_name}, every backend"] = under(None, _read)
 
 
 def graphed(read, args):
@@ -74,7 +112,10 @@ def main():
             keys, values = draw(1, kv_heads, length, HEAD_DIM), draw(1, kv_heads, length, HEAD_DIM)
             real = torch.ones(1, length, dtype=torch.bool, device="cuda")
             real[:, -7:] = False  # the unfilled tail of a static cache
-            graphs = {name: graphed(form, (query, keys, values, real, HEAD_DIM**-0.5)) for name, form in FORMS.items()}
+            args_ = (query, keys, values, real, HEAD_DIM**-0.5)
+            reference = attend_stored(*args_).float()
+            differences = {name: (form(*args_).float() - reference).abs().max().item() for name, form in FORMS.items()}
+            graphs = {name: graphed(form, args_) for name, form in FORMS.items()}
             times = {name: [] for name in FORMS}
             for round_index in range(args.rounds):
                 order = list(FORMS) if round_index % 2 == 0 else list(reversed(FORMS))
@@ -84,9 +125,10 @@ def main():
             for name, values_us in times.items():
                 record = {"form": name, "kv_heads": kv_heads, "query_heads": kv_heads * GROUPS, "length": length,
                           "us": statistics.median(values_us), "us_range": [min(values_us), max(values_us)],
-                          "cache_bytes": cache_bytes, "floor_us": cache_bytes / bandwidth * 1e6}
+                          "cache_bytes": cache_bytes, "floor_us": cache_bytes / bandwidth * 1e6,
+                          "max_abs_difference_from_grouped_matmuls": differences[name]}
                 records.append(record)
-                print(f"{name:16s} kv heads {kv_heads} length {length:6d}: {record['us']:7.1f} us "
+                print(f"{name:38s} kv heads {kv_heads} length {length:6d}: {record['us']:7.1f} us "
                       f"[{record['us_range'][0]:.1f}, {record['us_range'][1]:.1f}], floor {record['floor_us']:.1f}")
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
               "groups": GROUPS, "head_dim": HEAD_DIM, "rounds": args.rounds,

@@ -157,9 +157,8 @@ class NHACache(Cache):
                 for layer in self.layers]
 
 
-# A static cache longer than this stores a multiple of SPLIT_TOKENS positions per full layer, and the grouped-matmul
-# read (`attend_stored`, off CUDA) takes them in SPLIT_TOKENS-token slices, so that a long cache is read by many
-# programs at once; SDPA (`attend_stored_sdpa`, on CUDA) splits the cache itself.
+# A static cache longer than this stores a multiple of SPLIT_TOKENS positions per full layer, and a decode step reads
+# them in SPLIT_TOKENS-token slices (`attend_stored`), so that a long cache is read by many programs at once.
 SPLIT_TOKENS = 256
 SPLIT_FROM = 2048
 
@@ -186,23 +185,6 @@ def attend_stored(query, keys, values, real, scale):
     sliced = probs.view(batch, kv_heads, groups, splits, length // splits).transpose(2, 3)
     parts = torch.matmul(sliced, values.view(batch, kv_heads, splits, length // splits, values.shape[-1]))
     return parts.sum(2, dtype=torch.float32).to(query.dtype).reshape(batch, 1, q_heads, values.shape[-1])
-
-
-def attend_stored_sdpa(query, keys, values, real, scale):
-    """`attend_stored` through PyTorch's scaled_dot_product_attention (grouped query heads read in place,
-    `enable_gqa`; the `real` flags as a boolean mask): one fused kernel on CUDA, which on an H100 reads 32K positions
-    of 8 kv heads in 57 us against 103 us for the grouped matmuls (docs/benchmarks.md)."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(1, 2), keys, values, attn_mask=real[:, None, None, :], scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def read_stored(query, keys, values, real, scale):
-    """A one-token read of stored keys and values (`attend_stored`'s contract): `attend_stored_sdpa` on CUDA for a
-    floating dtype SDPA's fused kernels take, else the grouped matmuls."""
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return attend_stored_sdpa(query, keys, values, real, scale)
-    return attend_stored(query, keys, values, real, scale)
 
 
 class StaticPositions:
@@ -350,13 +332,13 @@ class StaticFullLayer(_StaticLayer):
         self._store(key.transpose(1, 2), value.transpose(1, 2))
         real = self.positions.real
         if not self.quantized:
-            return read_stored(query, self.keys, self.values, real, scale)
+            return attend_stored(query, self.keys, self.values, real, scale)
         per_sequence = 2 * self.keys[0].numel() * query.element_size()
         group = max(1, DEQUANTIZED_BYTES // per_sequence)
         parts = []
         for start in range(0, self.batch_size, group):
             rows = slice(start, start + group)
-            parts.append(read_stored(query[rows], *self.stored(batch=rows), real[rows], scale))
+            parts.append(attend_stored(query[rows], *self.stored(batch=rows), real[rows], scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def reset(self) -> None:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -17,3 +18,16 @@ def test_help_runs_the_imports(script, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"usage: {script}")
+
+
+def test_the_cache_read_forms_compared_agree_with_the_shipped_read():
+    """benchmarks/stored_read.py's SDPA forms read what `attend_stored` reads (CPU, float32, padding flags)."""
+    forms = runpy.run_path(str(BENCHMARKS / "stored_read.py"))["FORMS"]
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 1, 6, 16, generator=gen)
+    keys, values = (torch.randn(2, 3, 300, 16, generator=gen) for _ in range(2))
+    real = torch.rand(2, 300, generator=gen) > 0.3
+    reference = forms["grouped_matmuls"](query, keys, values, real, 0.25)
+    assert len(forms) == 5 and reference.shape == (2, 1, 6, 16)
+    for name, read in forms.items():
+        assert (read(query, keys, values, real, 0.25) - reference).abs().max() < 1e-5, name
