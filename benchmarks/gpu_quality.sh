@@ -60,7 +60,8 @@ PY
     for scope in all 0; do
         NHA_RETROFIT_KERNELS=$scope timeout 200 $cli finetune recipes/smollm2_gpu.yaml --overwrite \
             --set model.path=.device/stage1/probe-model --set stages.attention_transfer.tokens=0 \
-            --set 'data.files=["{stdlib}/**/*.py"]' --set stages.lm.tokens=524288 --set train.log_every=1 --set train.output_dir=outputs/probe-$scope \
+            --set 'data.files=["{stdlib}/**/*.py"]' --set stages.lm.tokens=524288 --set train.log_every=1 \
+            --set train.output_dir=outputs/probe-$scope \
             --set export.enabled=false --set eval.before=false --set "eval.heldout_texts=[]" \
             --set train.checkpoint_every=0 2>&1 | grep -v "finetune:" | tail -4 || true
         cp outputs/probe-$scope/metrics.jsonl "$OUT/probe_metrics_$scope.jsonl" || true

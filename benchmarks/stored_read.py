@@ -4,7 +4,7 @@ its native GQA (`enable_gqa`) and each KV head's query heads as that head's quer
 GQA), each under the SDPA backends a decode step allows (`modeling_nha._DECODE_SDPA_BACKENDS`: flash, memory-efficient,
 math; cuDNN's SDPA plans anew for every key length) and under every backend. An SDPA form with `enable_gqa` and a mask
 falls back to the math kernel, which copies every key and value once per query head, unless cuDNN takes it: timed
-alone with every backend it read 32K positions of 8 kv heads in 57 us against the grouped matmuls' 103, and inside the
+alone with every backend it read 32K positions of 8 kv heads in 58 us against the grouped matmuls' 102, and inside the
 decode step it took 1.8 ms per full layer (docs/benchmarks.md). Each read is captured in a CUDA graph (ten reads per
 replay), as a decode step replays it; medians and ranges over rounds in alternating order, and each form's largest
 difference from the grouped matmuls.
