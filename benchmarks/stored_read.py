@@ -2,7 +2,8 @@
 (`nha_cache.attend_stored`) against two forms through PyTorch's scaled_dot_product_attention with the real-token mask,
 its native GQA (`enable_gqa`) and each KV head's query heads as that head's query positions (equal head counts, no
 GQA), each under the SDPA backends a decode step allows (`modeling_nha._DECODE_SDPA_BACKENDS`: flash, memory-efficient,
-math; cuDNN's SDPA plans anew for every key length) and under every backend. An SDPA form with `enable_gqa` and a mask
+math; cuDNN's SDPA plans anew for every key length) and under every backend, and against FlexAttention's decoding
+kernel (compiled, native GQA, the mask as a score_mod). An SDPA form with `enable_gqa` and a mask
 falls back to the math kernel, which copies every key and value once per query head, unless cuDNN takes it: timed
 alone with every backend it read 32K positions of 8 kv heads in 58 us against the grouped matmuls' 102, and inside the
 decode step it took 1.8 ms per full layer (docs/benchmarks.md). Each read is captured in a CUDA graph (ten reads per
@@ -17,6 +18,7 @@ layer of Llama-3-8B) at 4K and 32K positions. Writes benchmarks/results/stored_r
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -50,6 +52,27 @@ def sdpa_heads_as_queries(query, keys, values, real, scale):
     return out.reshape(batch, 1, q_heads, values.shape[-1])
 
 
+def flex_decode(query, keys, values, real, scale):
+    """[B, 1, HQ, D] against [B, H, L, D]: FlexAttention (compiled on CUDA: its split-KV decoding kernel for one query
+    position), native GQA; the unfilled and padded positions masked in a score_mod that reads `real` as it is at each
+    replay (a block mask would fix which blocks are read when it is built)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def masked(score, batch, head, query_index, key_index):
+        return torch.where(real[batch, key_index], score, -float("inf"))
+
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    out = attend(query.transpose(1, 2), keys, values, score_mod=masked, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def under(backends, read):
     """`read` with SDPA limited to `backends` (None: every backend)."""
     def limited(*args):
@@ -62,6 +85,7 @@ FORMS = {"grouped_matmuls": attend_stored}
 for _name, _read in (("sdpa_enable_gqa", sdpa_enable_gqa), ("sdpa_heads_as_queries", sdpa_heads_as_queries)):
     FORMS[f"{_name}, decode backends"] = under(_DECODE_SDPA_BACKENDS, _read)
     FORMS[f"{_name}, every backend"] = under(None, _read)
+FORMS["flex_attention"] = flex_decode
 
 
 def graphed(read, args):

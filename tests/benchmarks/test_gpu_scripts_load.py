@@ -1,6 +1,7 @@
 """The GPU benchmark scripts load on a machine without one: `--help` runs their imports of the operator's modules
 (the kernels, their launch path and settings) and their argument parsers."""
 
+import importlib.util
 import runpy
 import sys
 from pathlib import Path
@@ -20,14 +21,18 @@ def test_help_runs_the_imports(script, monkeypatch, capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"usage: {script}")
 
 
-def test_the_cache_read_forms_compared_agree_with_the_shipped_read():
-    """benchmarks/stored_read.py's SDPA forms read what `attend_stored` reads (CPU, float32, padding flags)."""
-    forms = runpy.run_path(str(BENCHMARKS / "stored_read.py"))["FORMS"]
+def test_the_cache_read_forms_compared_agree_with_the_shipped_read(monkeypatch):
+    """benchmarks/stored_read.py's SDPA and FlexAttention forms read what `attend_stored` reads (CPU, float32, padding flags)."""
+    spec = importlib.util.spec_from_file_location("stored_read", BENCHMARKS / "stored_read.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "stored_read", script)  # FlexAttention traces its score_mod by module name
+    spec.loader.exec_module(script)
+    forms = script.FORMS
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(2, 1, 6, 16, generator=gen)
     keys, values = (torch.randn(2, 3, 300, 16, generator=gen) for _ in range(2))
     real = torch.rand(2, 300, generator=gen) > 0.3
     reference = forms["grouped_matmuls"](query, keys, values, real, 0.25)
-    assert len(forms) == 5 and reference.shape == (2, 1, 6, 16)
+    assert len(forms) == 6 and reference.shape == (2, 1, 6, 16)
     for name, read in forms.items():
         assert (read(query, keys, values, real, 0.25) - reference).abs().max() < 1e-5, name
