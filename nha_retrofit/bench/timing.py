@@ -63,6 +63,46 @@ def decode_ms_per_step(step, cache, token, start: int, steps: int, clock: Clock,
     return ms / steps
 
 
+ARM_WARM_STEPS = 8  # untimed steps before each timed round of `decode_arms`
+
+
+def decode_arms(decoder, length: int, arms: dict, rounds: int, steps: int, clock: Clock, log=print) -> dict:
+    """One context's decode under each of `arms` ({name: a function returning a context manager that changes the
+    step}), batch 1, on `decoder`'s path (a CUDA graph on CUDA), in alternating order: an untimed round first (each
+    arm compiles and captures on a fresh prefill, and its first step's logits are kept), then `rounds` timed rounds
+    of `steps` steps after a fresh prefill each. {"context", "rounds" (ms per step), each arm's `spread`, and
+    "first_step_logits": each arm's against the first arm's}."""
+    from ..modeling.decoding import one_token_step
+
+    model = decoder.model
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
+    names = list(arms)
+    times, first = {name: [] for name in names}, {}
+    for round_index in range(rounds + 1):
+        for name in names if round_index % 2 else names[::-1]:
+            free_memory(model.device)
+            with arms[name]():
+                cache, token = decoder.prefill(ids, steps + ARM_WARM_STEPS)
+                if round_index == 0:
+                    start = time.perf_counter()
+                    positions = torch.full((1, 1), length, dtype=torch.long, device=model.device)
+                    first[name] = one_token_step(model, token, positions, cache).logits.float()
+                    log(f"{length}: {name} first step (compile, capture) {time.perf_counter() - start:.1f} s")
+                else:
+                    times[name].append(decode_ms_per_step(decoder.step, cache, token, length, steps, clock,
+                                                           ARM_WARM_STEPS))
+            del cache
+    reference = first[names[0]]
+    record = {"context": length, "rounds": times, **{name: spread(times[name]) for name in names}}
+    record["first_step_logits"] = {
+        name: {"max_abs_difference": (first[name] - reference).abs().max().item(),
+               "max_abs": reference.abs().max().item(),
+               "same_argmax": bool((first[name].argmax(-1) == reference.argmax(-1)).all())}
+        for name in names[1:]}
+    return record
+
+
 def fits(fn, device: torch.device):
     """(fn(), True), or (None, False) when it ran out of device memory (freed again). Running out while a CUDA
     graph is instantiated raises a plain `torch.AcceleratorError`, not `torch.OutOfMemoryError`."""
