@@ -16,7 +16,7 @@ Llama-3-8B's decode step (random bf16 weights, batch 1, CUDA graph), with 5 full
 over rounds in alternating order. Writes benchmarks/results/stored_read[_in_step]_<gpu>.json.
 
     python benchmarks/stored_read.py [--kv-heads 1,4,8] [--lengths 4096,32768] [--rounds 5]
-    python benchmarks/stored_read.py --in-step --lengths 32768 --rounds 3     (~5 minutes on an H100)
+    python benchmarks/stored_read.py --in-step --lengths 32768 --rounds 3
 """
 
 import argparse
@@ -29,6 +29,7 @@ from unittest import mock
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nha_retrofit.bench.engine import machine_tag  # noqa: E402
@@ -39,9 +40,9 @@ from nha_retrofit.plan import PlanSpec  # noqa: E402
 GROUPS, HEAD_DIM = 4, 128
 # --in-step plans on Llama-3-8B's 32 layers: 5 whole layers evenly (random weights cannot be probed), and 40 full KV
 # heads grouped 3-4 to a layer in 11 layers, as the retrieval probe groups SmolLM2-135M's strongest heads
-PLANS = {"layers5": PlanSpec(select="even"),
-         "heads40in11": PlanSpec(full_kv_head_ids=[(layer, head) for layer in (6, 7, 9, 15, 16, 18, 19) for head in range(4)]
-                                 + [(layer, head) for layer in (21, 22, 23, 24) for head in range(3)])}
+HEADS_IN_11_LAYERS = ([(layer, head) for layer in (6, 7, 9, 15, 16, 18, 19) for head in range(4)]
+                      + [(layer, head) for layer in (21, 22, 23, 24) for head in range(3)])
+PLANS = {"layers5": PlanSpec(select="even"), "heads40in11": PlanSpec(full_kv_head_ids=HEADS_IN_11_LAYERS)}
 READS_PER_REPLAY, REPLAYS = 10, 20
 
 
@@ -65,8 +66,6 @@ def flex_decode(query, keys, values, real, scale):
     """[B, 1, HQ, D] against [B, H, L, D]: FlexAttention (compiled on CUDA: its split-KV decoding kernel for one query
     position), native GQA; the unfilled and padded positions masked in a score_mod that reads `real` as it is at each
     replay (a block mask would fix which blocks are read when it is built)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     def masked(score, batch, head, query_index, key_index):
         return torch.where(real[batch, key_index], score, -float("inf"))
 
@@ -77,12 +76,11 @@ def flex_decode(query, keys, values, real, scale):
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
-EVERY_BACKEND = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+EVERY_BACKEND = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
 
 
 def under(backends, read):
@@ -175,7 +173,8 @@ def time_in_step(args) -> dict:
     from nha_retrofit.plan import build_plan
 
     config = NAMED_CONFIGS["llama3-8b"]
-    arms = {name: functools.partial(mock.patch.object, nha_cache, "attend_stored", form) for name, form in FORMS.items()}
+    arms = {name: functools.partial(mock.patch.object, nha_cache, "attend_stored", form)
+            for name, form in FORMS.items()}
     plans = {}
     for name in args.plans.split(","):
         plan = build_plan(config["num_hidden_layers"], PLANS[name], kv_heads=config["num_key_value_heads"])

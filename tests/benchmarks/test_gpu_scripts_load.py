@@ -22,7 +22,8 @@ def test_help_runs_the_imports(script, monkeypatch, capsys):
 
 
 def test_the_cache_read_forms_compared_agree_with_the_shipped_read(monkeypatch):
-    """benchmarks/stored_read.py's SDPA and FlexAttention forms read what `attend_stored` reads (CPU, float32, padding flags)."""
+    """benchmarks/stored_read.py's SDPA and FlexAttention forms read what `attend_stored` reads (CPU, float32,
+    padding flags)."""
     spec = importlib.util.spec_from_file_location("stored_read", BENCHMARKS / "stored_read.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "stored_read", script)  # FlexAttention traces its score_mod by module name
