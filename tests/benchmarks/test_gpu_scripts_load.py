@@ -37,3 +37,41 @@ def test_the_cache_read_forms_compared_agree_with_the_shipped_read(monkeypatch):
     assert len(forms) == 6 and reference.shape == (2, 1, 6, 16)
     for name, read in forms.items():
         assert (read(query, keys, values, real, 0.25) - reference).abs().max() < 1e-5, name
+
+
+def test_the_merged_projections_arm_steps_as_the_shipped_step(monkeypatch):
+    """benchmarks/decode_fusion.py's `merged` arm (q/k/v with an NHA layer's gate, and gate with up, each one matmul)
+    gives the shipped fused step's logits (uncompiled, float32, NHA layers, full layers and full KV heads), and its merged weights
+    are the layers' weights themselves."""
+    from nha_retrofit.modeling.decoding import nha_static_cache, one_token_step, prefill
+    from nha_retrofit.modeling.fused_step import fused_decoder_layers
+    from tiny_models import tiny_nha_pair
+
+    spec = importlib.util.spec_from_file_location("decode_fusion", BENCHMARKS / "decode_fusion.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    _, nha = tiny_nha_pair([3, None, 0, 5], full_kv_heads=[[1], [], [0], [0]])
+    layers = nha.model.layers
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(13))
+
+    def step_logits(arm):
+        cache = nha_static_cache(nha, ids.shape[0], ids.shape[1], cuda_graph=False)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), arm:
+            prefill(nha, ids[:, :-1], cache)
+            positions = torch.full((ids.shape[0], 1), ids.shape[1] - 1)
+            with fused_decoder_layers(layers):
+                return one_token_step(nha, ids[:, -1:], positions, cache).logits[:, -1]
+
+    expected = step_logits(script.arm("fused", layers))
+    calls = []
+    for name in ("_merged_rotary_qkvg", "_add_rms_norm_merged_mlp"):
+        function = getattr(script, name)
+        monkeypatch.setattr(script, name, lambda *args, function=function: calls.append(function) or function(*args))
+    q_weight = layers[0].self_attn.q_proj.weight.detach().clone()
+    merged = step_logits(script.arm("merged", layers))
+    assert (merged - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert len(calls) == 2 * len(layers)  # the one-token step went through the merged functions
+    assert torch.equal(layers[0].self_attn.q_proj.weight, q_weight)
+    assert layers[0].self_attn.q_proj.weight.untyped_storage().data_ptr() == \
+        layers[0].self_attn.v_proj.weight.untyped_storage().data_ptr()
+    assert not any("gate_logits" in vars(layer.self_attn) for layer in layers)
