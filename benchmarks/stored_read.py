@@ -16,7 +16,7 @@ Llama-3-8B's decode step (random bf16 weights, batch 1, CUDA graph), with 5 full
 over rounds in alternating order. Writes benchmarks/results/stored_read[_in_step]_<gpu>.json.
 
     python benchmarks/stored_read.py [--kv-heads 1,4,8] [--lengths 4096,32768] [--rounds 5]
-    python benchmarks/stored_read.py --in-step --lengths 32768 --rounds 3
+    python benchmarks/stored_read.py --in-step --lengths 32768 --rounds 3 [--plans layers5] [--forms grouped_matmuls,flex_attention]
 """
 
 import argparse
@@ -93,8 +93,8 @@ def under(backends, read):
 
 FORMS = {"grouped_matmuls": attend_stored}
 for _name, _read in (("sdpa_enable_gqa", sdpa_enable_gqa), ("sdpa_heads_as_queries", sdpa_heads_as_queries)):
-    FORMS[f"{_name}, decode backends"] = under(_DECODE_SDPA_BACKENDS, _read)
-    FORMS[f"{_name}, every backend"] = under(EVERY_BACKEND, _read)
+    FORMS[f"{_name}:decode_backends"] = under(_DECODE_SDPA_BACKENDS, _read)
+    FORMS[f"{_name}:every_backend"] = under(EVERY_BACKEND, _read)
 FORMS["flex_attention"] = flex_decode
 
 
@@ -173,8 +173,9 @@ def time_in_step(args) -> dict:
     from nha_retrofit.plan import build_plan
 
     config = NAMED_CONFIGS["llama3-8b"]
+    forms = {name: FORMS[name] for name in args.forms.split(",")}
     arms = {name: functools.partial(mock.patch.object, nha_cache, "attend_stored", form)
-            for name, form in FORMS.items()}
+            for name, form in forms.items()}
     plans = {}
     for name in args.plans.split(","):
         plan = build_plan(config["num_hidden_layers"], PLANS[name], kv_heads=config["num_key_value_heads"])
@@ -184,7 +185,7 @@ def time_in_step(args) -> dict:
         for length in map(int, args.lengths.split(",")):
             record = decode_arms(decoder, length, arms, args.rounds, args.steps, clock)
             records.append(record)
-            for form in FORMS:
+            for form in forms:
                 print(f"{name} {length}: {form:38s} {record[form]['median']:6.2f} ms per token "
                       f"[{record[form]['min']:.2f}, {record[form]['max']:.2f}]")
         plans[name] = {"plan": plan.describe(), "contexts": records}
@@ -198,11 +199,15 @@ def main():
     parser.add_argument("--in-step", action="store_true", help="time the forms inside the decode step, per plan")
     parser.add_argument("--plans", default=",".join(PLANS), help="--in-step: comma-separated, of " + ", ".join(PLANS))
     parser.add_argument("--steps", type=int, default=64, help="--in-step: timed steps per round")
+    parser.add_argument("--forms", default=",".join(FORMS), help="--in-step: comma-separated, the first the "
+                        "reference, of " + ", ".join(FORMS))
     parser.add_argument("--kv-heads", default="1,4,8")
     parser.add_argument("--lengths", default="4096,32768")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
+    if not set(args.forms.split(",")) <= set(FORMS):
+        raise SystemExit(f"--forms: of {', '.join(FORMS)}")
     if not torch.cuda.is_available():
         raise SystemExit("stored_read.py times reads on a CUDA GPU")
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16",
