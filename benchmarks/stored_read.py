@@ -16,7 +16,8 @@ Llama-3-8B's decode step (random bf16 weights, batch 1, CUDA graph), with 5 full
 over rounds in alternating order. Writes benchmarks/results/stored_read[_in_step]_<gpu>.json.
 
     python benchmarks/stored_read.py [--kv-heads 1,4,8] [--lengths 4096,32768] [--rounds 5]
-    python benchmarks/stored_read.py --in-step --lengths 32768 --rounds 3 [--plans layers5] [--forms grouped_matmuls,flex_attention]
+    python benchmarks/stored_read.py --in-step --lengths 32768 --rounds 3 [--plans layers5]
+        [--forms grouped_matmuls,flex_attention]
 """
 
 import argparse
