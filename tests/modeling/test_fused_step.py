@@ -68,13 +68,15 @@ def test_the_context_restores_the_layers_after_an_error_and_leaves_wrapped_ones_
 
 @pytest.mark.slow
 def test_the_compiled_step_is_within_rounding_of_float64():
-    """Compiled (Inductor on the CPU here, Triton on CUDA): float64 agrees to 1e-10, and in bfloat16 the fused step
-    is no further from the float64 step than the layers' own bfloat16 forwards are (one rounding instead of several)."""
+    """Compiled (Inductor on the CPU here, Triton on CUDA): float64 agrees to 1e-7 (the RMSNorms compute in float32
+    whatever the input, as transformers' do, and Inductor's vectorised float32 rounds apart from eager's on some
+    CPUs), and in bfloat16 the fused step is no further from the float64 step than the layers' own bfloat16 forwards
+    are (one rounding instead of several)."""
     torch._dynamo.reset()
     _, nha = tiny_nha_pair([3, None, 0, 5])
     ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(12))
     reference = step_logits(nha.double(), ids, fused=False)
-    assert (step_logits(nha, ids, fused=True) - reference).abs().max() <= 1e-10 * reference.abs().max()
+    assert (step_logits(nha, ids, fused=True) - reference).abs().max() <= 1e-7 * reference.abs().max()
     nha = nha.to(torch.bfloat16)
     own_error = (step_logits(nha, ids, fused=False).double() - reference).abs().max()
     fused_error = (step_logits(nha, ids, fused=True).double() - reference).abs().max()
