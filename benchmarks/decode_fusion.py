@@ -1,15 +1,14 @@
 """What the fused decoder-layer step (`nha_retrofit/modeling/fused_step.py`) saves: NHA decode at Llama-3-8B's shape
 (random bf16 weights, the default plan, batch 1) on the shipped CUDA-graph path, with the layers' norms, residual adds,
-gated MLP and attention projections with RoPE fused (as shipped), unfused (the layers' own forwards inside the same
-graph), and `merged`: fused, with each layer's q/k/v (and an NHA layer's gate) projections one matmul and its MLP's gate
-and up projections one matmul, their weights made row blocks of one tensor (no extra memory), in alternating rounds.
+gated MLP and attention projections with RoPE fused and each layer's q/k/v/gate and gate/up projections one matmul
+each (`fused`, as shipped), fused with one matmul per projection (`separate`), and unfused (the layers' own forwards
+inside the same graph), in alternating rounds.
 
     python benchmarks/decode_fusion.py --output benchmarks/results/decode_fusion_h100.json     (CUDA; ~2 minutes)
-    python benchmarks/decode_fusion.py --arms fused,merged --contexts 4096,32768 --output ...
+    python benchmarks/decode_fusion.py --arms fused,separate --contexts 4096,32768 --output ...
 
 Each context: one untimed round per arm (compile, capture, and the first step's logits of both arms compared), then
-`--rounds` timed rounds of `--steps` steps after a fresh prefill, medians with min-max (`bench.timing.decode_arms`).
-"""
+`--rounds` timed rounds of `--steps` steps after a fresh prefill, medians with min-max (`bench.timing.decode_arms`)."""
 
 import argparse
 import contextlib
@@ -27,99 +26,54 @@ from nha_retrofit.bench.timing import Clock, decode_arms
 from nha_retrofit.modeling import fused_step, modeling_nha
 from nha_retrofit.plan import PlanSpec, build_plan
 
-ARMS = ("fused", "unfused", "merged")
+ARMS = ("fused", "separate", "unfused")
 
 
-def merge_rows(linears):
-    """One weight tensor whose row blocks become the weights of `linears` (their old storage is freed): a matmul
-    with it computes all of their projections at once. Biases are concatenated the same way (None if none has one)."""
-    merged = torch.cat([linear.weight.detach() for linear in linears])
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight.data = merged[start:start + rows]
-        start += rows
-    biases = [linear.bias for linear in linears]
-    if all(bias is None for bias in biases):
-        return merged, None
-    return merged, torch.cat([bias.detach() if bias is not None else merged.new_zeros(linear.weight.shape[0])
-                              for bias, linear in zip(biases, linears)])
-
-
-def _merged_rotary_qkvg(hidden, head_dim: int, weight, bias, sizes: tuple, cos, sin):
-    """q, k, v (and an NHA layer's gate logits) from one matmul, then RoPE: (q, k, v, q_rope, k_rope, gate)."""
-    parts = F.linear(hidden, weight, bias).split(sizes, dim=-1)
+def _rotary_qkv(hidden, head_dim: int, q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, cos, sin):
+    """q, k, v and their RoPE, each projection its own matmul (Llama's shape: no q/k norms)."""
     shape = (*hidden.shape[:-1], -1, head_dim)
-    q, k, v = (part.view(shape) for part in parts[:3])
-    gate = parts[3] if len(parts) > 3 else None
-    return q, k, v, fused_step._rotate(q, cos, sin), fused_step._rotate(k, cos, sin), gate
+    q = F.linear(hidden, q_weight, q_bias).view(shape)
+    k = F.linear(hidden, k_weight, k_bias).view(shape)
+    v = F.linear(hidden, v_weight, v_bias).view(shape)
+    return q, k, v, fused_step._rotate(q, cos, sin), fused_step._rotate(k, cos, sin)
 
 
-def _add_rms_norm_merged_mlp(residual, update, weight, eps: float, gate_up, down):
-    """`fused_step._add_rms_norm_gated_mlp` with the gate and up projections one matmul."""
+def _add_rms_norm_separate_mlp(residual, update, weight, eps: float, gate, up, down):
+    """`fused_step._add_rms_norm_gated_mlp` with the gate and up projections two matmuls."""
     hidden, normed = fused_step._add_rms_norm(residual, update, weight, eps)
-    gate, up = F.linear(normed, gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, down)
+    return hidden + F.linear(F.silu(F.linear(normed, gate)) * F.linear(normed, up), down)
 
 
-@contextlib.contextmanager
-def merged_projections(layers):
-    """Inside: the fused step with merged projections (Llama's shape: no q/k norms)."""
-    merged = {}
-    for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-        if attention.window is not None:
-            projections.append(attention.g_proj)
-        merged[attention] = (*merge_rows(projections), tuple(p.weight.shape[0] for p in projections))
-        merged[mlp] = merge_rows([mlp.gate_proj, mlp.up_proj])[0]
-    gates = {}
-
-    def rotary_qkv(attention, hidden_states, position_embeddings):
-        *qkv, gate = fused_step.compiled(_merged_rotary_qkvg)(hidden_states, attention.head_dim,
-                                                              *merged[attention], *position_embeddings)
-        if gate is not None:
-            gates[attention] = gate
-        return tuple(qkv)
-
-    def gate_logits(attention, hidden_states):  # a prefill (the layers' own forwards) computes its own
-        if attention not in gates:
-            return type(attention).gate_logits(attention, hidden_states)
-        return gates.pop(attention).view(*hidden_states.shape[:-1], attention.num_kv_heads, attention.num_slots)
-
-    def layer_step(layer, hidden_states, **kwargs):
-        norm, post_norm, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
-        attended, _ = layer.self_attn(
-            hidden_states=fused_step.compiled(fused_step._rms_norm)(hidden_states, norm.weight, norm.variance_epsilon),
-            **kwargs)
-        return fused_step.compiled(_add_rms_norm_merged_mlp)(
-            hidden_states, attended, post_norm.weight, post_norm.variance_epsilon, merged[mlp], mlp.down_proj.weight)
-
-    with (mock.patch.object(fused_step, "attention_rotary_qkv", rotary_qkv),
-          mock.patch.object(fused_step, "decoder_layer_step", layer_step)):
-        for layer in layers:
-            layer.self_attn.gate_logits = functools.partial(gate_logits, layer.self_attn)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                del layer.self_attn.gate_logits
+def separate_projections(attention, hidden_states, position_embeddings):
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+    projected = fused_step.compiled(_rotary_qkv)(hidden_states, attention.head_dim, q.weight, q.bias, k.weight,
+                                                 k.bias, v.weight, v.bias, *position_embeddings)
+    return *projected, attention.gate_logits(hidden_states) if attention.window is not None else None
 
 
-def arm(name: str, layers):
-    """The decode step as shipped (`fused`), with the layers' own forwards inside the graph (`unfused`), or fused
-    with merged projections (`merged`)."""
+def separate_layer_step(layer, hidden_states, **kwargs):
+    norm, post_norm, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+    attended, _ = layer.self_attn(
+        hidden_states=fused_step.compiled(fused_step._rms_norm)(hidden_states, norm.weight, norm.variance_epsilon),
+        **kwargs)
+    return fused_step.compiled(_add_rms_norm_separate_mlp)(
+        hidden_states, attended, post_norm.weight, post_norm.variance_epsilon, mlp.gate_proj.weight,
+        mlp.up_proj.weight, mlp.down_proj.weight)
+
+
+def arm(name: str):
+    """The decode step as shipped (`fused`), fused with one matmul per projection (`separate`), or with the layers'
+    own forwards inside the graph (`unfused`)."""
     if name == "fused":
         return contextlib.nullcontext()
-    if name == "merged":
-        return merged_projections(layers)
+    if name == "separate":
+        return mock.patch.multiple(fused_step, attention_projections=separate_projections,
+                                   decoder_layer_step=separate_layer_step)
     return mock.patch.object(modeling_nha, "fused_decoder_layers", contextlib.nullcontext)
 
 
 def measure(decoder, length: int, arms: list, rounds: int, steps: int, clock) -> dict:
-    layers = decoder.model.model.layers
-    record = decode_arms(decoder, length, {name: functools.partial(arm, name, layers) for name in arms}, rounds,
-                         steps, clock)
+    record = decode_arms(decoder, length, {name: functools.partial(arm, name) for name in arms}, rounds, steps, clock)
     for name in arms[1:]:
         record[f"{name}_minus_{arms[0]}_ms"] = record[name]["median"] - record[arms[0]]["median"]
     print(json.dumps({key: value for key, value in record.items() if key not in ("rounds", "first_step_logits")}))

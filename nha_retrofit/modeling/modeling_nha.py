@@ -24,7 +24,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 from .configuration_nha import NHALlamaConfig, NHAQwen2Config, NHAQwen3MoeConfig
 from ..ops.nha.dispatch import nha_operator
 from .decode_graph import DecodeGraph
-from .fused_step import fused_decoder_layers
+from .fused_step import fused_decoder_layers, merge_projections
 from .head_split import merge_heads, split_heads
 from .nha_cache import NHACache, NHAStaticCache, StaticFullLayer
 
@@ -47,7 +47,7 @@ class NHAAttentionMixin:
     """Adds NHA to a family's attention module (mixed in before the original class)."""
 
     rotary_fn = staticmethod(apply_rotary_pos_emb)
-    # the small functions a fused decode step swaps for compiled ones (`fused_step.py`)
+    # the small functions a fused decode step swaps for compiled ones (`fused_step.py`), `projections` too
     split_heads = staticmethod(split_heads)
     merge_heads = staticmethod(merge_heads)
 
@@ -92,6 +92,12 @@ class NHAAttentionMixin:
         positive bias in g_proj lengthens every slot's memory (alpha nearer 1)."""
         return self.g_proj(hidden_states).view(*hidden_states.shape[:-1], self.num_kv_heads, self.num_slots)
 
+    def projections(self, hidden_states, position_embeddings):
+        """(q, k, v, q_rope, k_rope, gate logits): `rotary_qkv`'s tensors and, in an NHA layer, `gate_logits`' (None in
+        a full layer), from one method, so that a fused decode step computes them with one matmul."""
+        gates = self.gate_logits(hidden_states) if self.window is not None else None
+        return *self.rotary_qkv(hidden_states, position_embeddings), gates
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         padding_mask = kwargs.pop("nha_padding_mask", None)
@@ -102,10 +108,10 @@ class NHAAttentionMixin:
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
         batch, length = hidden_states.shape[:2]
-        q, k, v, q_rope, k_rope = operator_inputs(*self.rotary_qkv(hidden_states, position_embeddings))
+        *projected, gate_logits = self.projections(hidden_states, position_embeddings)
+        q, k, v, q_rope, k_rope = operator_inputs(*projected)
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         slot_bias = self.slot_bias if self.slot_reads else torch.full_like(self.slot_bias, float("-inf"))
-        gate_logits = self.gate_logits(hidden_states)
         if self.full_kv_heads:
             index = self._head_index(q.device)
             (q, k, v, q_rope, k_rope, gate_logits, slot_bias), full = self.split_heads(
@@ -158,7 +164,7 @@ class NHAAttentionMixin:
     def _decode_on_static_cache(self, hidden_states, position_embeddings, layer_cache):
         """A full layer's one-token step on a static cache: the original projections and RoPE, then attention over the
         cache's stored positions (`StaticFullLayer.decode`: no mask over the whole cache, no per-head copies)."""
-        _, _, v, q, k = self.rotary_qkv(hidden_states, position_embeddings)
+        _, _, v, q, k, _ = self.projections(hidden_states, position_embeddings)
         out = layer_cache.decode(q, k, v, self.scaling)
         return self.o_proj(out.reshape(*hidden_states.shape[:2], -1)), None
 
@@ -318,6 +324,7 @@ class NHAForCausalLMMixin:
         """A one-token step on a static CUDA cache through its `DecodeGraph` (captured at the first such step), each
         decoder layer's small work between its matmuls fused (`fused_step.py`)."""
         if cache.decode_graph is None:
+            merge_projections(self.model.layers)  # before the graph's first step, on this stream (`fused_step.py`)
             cache.decode_graph = DecodeGraph(input_ids.shape[0], input_ids.device)
         if position_ids is None:  # as the model would compute them: after the filled positions
             position_ids = cache.positions.length.view(1, 1).expand(input_ids.shape[0], 1)

@@ -39,10 +39,9 @@ def test_the_cache_read_forms_compared_agree_with_the_shipped_read(monkeypatch):
         assert (read(query, keys, values, real, 0.25) - reference).abs().max() < 1e-5, name
 
 
-def test_the_merged_projections_arm_steps_as_the_shipped_step(monkeypatch):
-    """benchmarks/decode_fusion.py's `merged` arm (q/k/v with an NHA layer's gate, and gate with up, each one matmul)
-    gives the shipped fused step's logits (uncompiled, float32, NHA layers, full layers and full KV heads), and its merged weights
-    are the layers' weights themselves."""
+def test_the_separate_projections_arm_steps_as_the_shipped_step(monkeypatch):
+    """benchmarks/decode_fusion.py's `separate` arm (the fused step with one matmul per projection) gives the shipped
+    fused step's logits (uncompiled, float32, NHA layers, full layers and full KV heads) through its own functions."""
     from nha_retrofit.modeling.decoding import nha_static_cache, one_token_step, prefill
     from nha_retrofit.modeling.fused_step import fused_decoder_layers
     from tiny_models import tiny_nha_pair
@@ -62,16 +61,11 @@ def test_the_merged_projections_arm_steps_as_the_shipped_step(monkeypatch):
             with fused_decoder_layers(layers):
                 return one_token_step(nha, ids[:, -1:], positions, cache).logits[:, -1]
 
-    expected = step_logits(script.arm("fused", layers))
+    expected = step_logits(script.arm("fused"))
     calls = []
-    for name in ("_merged_rotary_qkvg", "_add_rms_norm_merged_mlp"):
+    for name in ("_rotary_qkv", "_add_rms_norm_separate_mlp"):
         function = getattr(script, name)
         monkeypatch.setattr(script, name, lambda *args, function=function: calls.append(function) or function(*args))
-    q_weight = layers[0].self_attn.q_proj.weight.detach().clone()
-    merged = step_logits(script.arm("merged", layers))
-    assert (merged - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert len(calls) == 2 * len(layers)  # the one-token step went through the merged functions
-    assert torch.equal(layers[0].self_attn.q_proj.weight, q_weight)
-    assert layers[0].self_attn.q_proj.weight.untyped_storage().data_ptr() == \
-        layers[0].self_attn.v_proj.weight.untyped_storage().data_ptr()
-    assert not any("gate_logits" in vars(layer.self_attn) for layer in layers)
+    separate = step_logits(script.arm("separate"))
+    assert (separate - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert len(calls) == 2 * len(layers)  # the one-token step went through the separate functions

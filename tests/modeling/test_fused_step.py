@@ -1,11 +1,13 @@
 """The decode step's fused decoder layers (`modeling/fused_step.py`): the same one-token step as the layers' own
-forwards, in every family (dense and MoE MLPs, NHA and full layers), and compiled within rounding of float64."""
+forwards, in every family (dense and MoE MLPs, NHA and full layers), with their projections' weights merged into row
+blocks that training, saving and conversion still see as the layers' own, and compiled within rounding of float64."""
 
 import pytest
 import torch
 
 from nha_retrofit.modeling.decoding import nha_static_cache, one_token_step, prefill
-from nha_retrofit.modeling.fused_step import decoder_layer_step, fused_decoder_layers, is_gated_silu_mlp
+from nha_retrofit.modeling.fused_step import (can_fuse, decoder_layer_step, fused_decoder_layers, is_gated_silu_mlp,
+                                              merged_rows)
 from nha_retrofit.modeling.load import load_nha_checkpoint
 from tiny_models import tiny_nha_pair
 
@@ -35,7 +37,7 @@ def test_fused_layers_step_as_their_own_forwards(family):
     with torch.compiler.set_stance("force_eager"):
         fused = step_logits(model, ids, fused=True)
     assert (fused - expected).abs().max() <= 1e-6 * expected.abs().max()
-    assert not any("forward" in vars(layer) or "rotary_qkv" in vars(layer.self_attn)  # the context restored them
+    assert not any("forward" in vars(layer) or "projections" in vars(layer.self_attn)  # the context restored them
                    or "split_heads" in vars(layer.self_attn) for layer in model.model.layers)
 
 
@@ -58,12 +60,74 @@ def test_the_context_restores_the_layers_after_an_error_and_leaves_wrapped_ones_
         with fused_decoder_layers(layers):
             fused = [getattr(vars(layer)["forward"], "func", None) is decoder_layer_step for layer in layers]
             assert fused == [True, False, True, True]
-            assert ["rotary_qkv" in vars(layer.self_attn) for layer in layers] == fused
+            assert ["projections" in vars(layer.self_attn) for layer in layers] == fused
             assert vars(layers[1])["forward"] is hooked
             raise RuntimeError("inside")
     assert [("forward" in vars(layer)) for layer in layers] == [False, True, False, False]
-    assert not any("rotary_qkv" in vars(layer.self_attn) for layer in layers)
+    assert not any("projections" in vars(layer.self_attn) for layer in layers)
     assert vars(layers[1])["forward"] is hooked
+
+
+def projection_weights(layer):
+    attention, mlp = layer.self_attn, layer.mlp
+    return [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight, attention.g_proj.weight,
+            mlp.gate_proj.weight, mlp.up_proj.weight]
+
+
+def shares_storage(*tensors) -> bool:
+    return len({tensor.untyped_storage().data_ptr() for tensor in tensors}) == 1
+
+
+def test_the_merged_weights_stay_the_layers_own_through_training_saving_and_conversion(tmp_path):
+    """A fused step makes each layer's q/k/v/gate weights row blocks of one tensor and gate/up of another, with the
+    same values; an in-place update of one (an optimizer step) reaches the merged step, save_pretrained writes them
+    as separate tensors that load back equal, and after `.double()` (new storage) the next step merges again."""
+    _, nha = tiny_nha_pair([3, None, 0, 5], full_kv_heads=[[1], [], [0], [0]])
+    before = [[weight.detach().clone() for weight in projection_weights(layer)] for layer in nha.model.layers]
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(14))
+    with torch.compiler.set_stance("force_eager"):
+        step_logits(nha, ids, fused=True)
+        for layer, values in zip(nha.model.layers, before):
+            weights = projection_weights(layer)
+            assert all(torch.equal(weight, value) for weight, value in zip(weights, values))
+            assert shares_storage(*weights[:4]) and shares_storage(*weights[4:])
+            assert not shares_storage(weights[0], weights[4])
+        assert torch.equal(merged_rows([nha.model.layers[2].mlp.gate_proj, nha.model.layers[2].mlp.up_proj]),
+                           torch.cat(before[2][4:]))
+
+        optimizer = torch.optim.SGD(nha.parameters(), lr=0.5)
+        nha(ids, labels=ids).loss.backward()
+        optimizer.step()
+        assert not torch.equal(nha.model.layers[0].self_attn.k_proj.weight, before[0][1])
+        expected = step_logits(nha, ids, fused=False)
+        assert (step_logits(nha, ids, fused=True) - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+        nha.save_pretrained(tmp_path)
+        reloaded = type(nha).from_pretrained(tmp_path)
+        for layer, again in zip(nha.model.layers, reloaded.model.layers):
+            assert all(torch.equal(a, b) for a, b in zip(projection_weights(layer), projection_weights(again)))
+        assert not shares_storage(*projection_weights(reloaded.model.layers[0])[:2])
+
+        nha = nha.double()
+        assert not shares_storage(*projection_weights(nha.model.layers[0])[:2])
+        expected = step_logits(nha, ids, fused=False)
+        assert (step_logits(nha, ids, fused=True) - expected).abs().max() <= 1e-12 * expected.abs().max()
+        assert shares_storage(*projection_weights(nha.model.layers[0])[:4])
+
+
+def test_layers_whose_projections_are_not_plain_linear_layers_step_as_they_are():
+    """A LoRA-wrapped projection (peft) is not merged: its layer keeps its own forward, adapter included."""
+    import peft
+
+    _, nha = tiny_nha_pair([3, None, 0, 5])
+    ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(15))
+    wrapped = peft.get_peft_model(nha, peft.LoraConfig(r=2, target_modules=["v_proj"], init_lora_weights=False))
+    layers = wrapped.get_base_model().model.layers
+    assert not any(map(can_fuse, layers))
+    expected = step_logits(wrapped.get_base_model(), ids, fused=False)
+    with torch.compiler.set_stance("force_eager"):
+        fused = step_logits(wrapped.get_base_model(), ids, fused=True)
+    assert torch.equal(fused, expected)
 
 
 @pytest.mark.slow
