@@ -123,11 +123,13 @@ TokenOption = Annotated[str | None, typer.Option(help="Hub token (default: HF_TO
 def plan_option(kind: type, text: str, field: str):
     """A plan option: left out, it is None and the plan takes PlanSpec's default for `field` (shown in --help)."""
     default = getattr(PlanSpec, field)
-    shown = str(default) if default is not None else f"one layer in {FULL_LAYER_SHARE}"
+    shown = str(default) if default is not None else f"the cache of one layer in {FULL_LAYER_SHARE}"
     return Annotated[kind | None, typer.Option(help=text, show_default=shown)]
 
 
-FullLayersOption = plan_option(int, "Layers that keep full attention.", "full_layers")
+FullLayersOption = plan_option(int, "Layers that keep full attention. With no full layers or KV heads named, the cache "
+                               "of one layer in six stays full: as the probe's strongest KV heads with --select "
+                               "retrieval, else (or when the probe cannot run) as whole layers.", "full_layers")
 FullLayerIdsOption = Annotated[str | None, typer.Option(help="Exactly these full layers, e.g. 2,9,17,25.")]
 FullKVHeadsOption = Annotated[int | None, typer.Option(
     help="KV heads that keep full attention inside NHA layers, placed by --select (retrieval: the probe's strongest "

@@ -7,12 +7,13 @@ given layer count. This module reads no files: its callers hand it the layer cou
 already read, and the converter takes the `LayerPlan` it returns (CLI -> plan -> converter -> model).
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .errors import NHARetrofitError
 
 SELECTIONS = ("retrieval", "even", "first", "last")
-FULL_LAYER_SHARE = 6  # by default one layer in six keeps full attention (5 of SmolLM2's 30, 5 of Llama-3-8B's 32)
+# by default the cache of one layer in six stays full: the KV heads of 5 of SmolLM2's 30 layers, 5 of Llama-3-8B's 32
+FULL_LAYER_SHARE = 6
 
 
 class PlanSpecError(NHARetrofitError, ValueError):
@@ -28,14 +29,18 @@ class PlanSpecError(NHARetrofitError, ValueError):
 class PlanSpec:
     """A conversion plan before the model's layer count is known. The full layers come from, in this order of
     precedence: `windows` (one per layer, None = full), `full_layer_ids`, or `full_layers` placed by `select`; the
-    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count;
-    `full_layers=None` is one layer in `FULL_LAYER_SHARE`, rounded, at least one (`full_layer_count`).
-    `select="retrieval"` keeps the layers that hold the original's retrieval heads (`conversion/layer_ranking.py`):
-    the defaults are the best setting of the quality sweep (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy).
+    other layers get `window`. Lists are kept as tuples; with `full_layer_ids`, `full_layers` is their count.
 
     Full attention can also be kept per KV head inside NHA layers: `full_kv_head_ids` ((layer, head) pairs), or the
-    `full_kv_heads` strongest heads of the same probe. Either makes `full_layers` default to 0 (whole full layers
-    can still be asked for beside them); a layer whose every KV head is chosen becomes a full layer."""
+    `full_kv_heads` strongest heads of the retrieval probe (`conversion/layer_ranking.py`). Either makes `full_layers`
+    default to 0 (whole full layers can still be asked for beside them); a layer whose every KV head is chosen
+    becomes a full layer.
+
+    When none of these is given (`uses_default_full_set`), the cache of one layer in `FULL_LAYER_SHARE` stays full
+    (`full_layer_count`, rounded, at least one layer): with `select="retrieval"` as the probe's strongest KV heads,
+    that many layers' worth, wherever they are; where the probe cannot run (no weights or tokenizer; random weights)
+    or with another `select`, as that many whole layers. The defaults are the best setting of the quality sweep
+    (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy)."""
 
     full_layers: int | None = None
     select: str = "retrieval"
@@ -96,8 +101,20 @@ class PlanSpec:
     def needs_head_ranking(self) -> bool:
         return bool(self.full_kv_heads) and self.full_kv_head_ids is None
 
+    @property
+    def uses_default_full_set(self) -> bool:
+        """Whether no option names the full layers or heads, so that the default places them."""
+        return (self.windows is None and self.full_layer_ids is None and self.full_layers is None
+                and self.full_kv_heads is None)
+
+    def with_default_heads(self, num_layers: int, kv_heads: int) -> "PlanSpec":
+        """This spec with the default full set as KV heads: the probe's strongest `full_kv_heads`, as many as the
+        default's whole layers hold."""
+        return replace(self, full_kv_heads=self.full_layer_count(num_layers) * kv_heads)
+
     def full_layer_count(self, num_layers: int) -> int:
-        """How many layers keep full attention on a model of `num_layers` layers."""
+        """How many layers keep full attention on a model of `num_layers` layers (whole layers: without full KV
+        heads)."""
         if self.full_layers is not None:
             return self.full_layers
         if self.full_kv_heads:
@@ -186,7 +203,11 @@ def build_plan(num_layers: int, spec: PlanSpec = PlanSpec(), ranking=None, head_
                kv_heads: int | None = None) -> LayerPlan:
     """The plan `spec` asks for, on a model of `num_layers` layers of `kv_heads` KV heads (needed for full KV heads);
     `ranking` (layer ids, strongest retrieval layer first) places the full layers of `select="retrieval"`, and
-    `head_ranking` ((layer, KV head) pairs, strongest first) the `full_kv_heads`."""
+    `head_ranking` ((layer, KV head) pairs, strongest first) the `full_kv_heads`, and the default full set's when
+    given (`PlanSpec.uses_default_full_set`)."""
+    if (spec.uses_default_full_set and spec.select == "retrieval" and head_ranking is not None
+            and kv_heads is not None):
+        spec = spec.with_default_heads(num_layers, kv_heads)
     if spec.windows is not None:
         if len(spec.windows) != num_layers:
             raise PlanSpecError("windows", f"has {len(spec.windows)} entries; the model has {num_layers} layers")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, on CPU: convert SmolLM2-135M with the default plan (the 5 of 30 layers that
-# hold its retrieval heads full, window 256, 64 slots),
+# The main job on the embedded default, on CPU: convert SmolLM2-135M with the default plan (full attention in the 15 of
+# its 90 KV heads that hold its retrieval heads, window 256, 64 slots),
 # then finetune it with recipes/smollm2_demo.yaml (attention transfer, then CE + distillation from the original on
 # Python standard-library code and Shakespeare, about 20 minutes on 2 cores), which reports held-out perplexity
 # (original / converted before / after, on texts excluded from training) and exports a merged self-contained

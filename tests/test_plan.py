@@ -57,6 +57,22 @@ def test_full_kv_heads_follow_the_ranking_skip_full_layers_and_fill_a_layer_to_f
     assert build_plan(4, PlanSpec(select="even")).full_kv_heads is None
 
 
+def test_the_default_keeps_the_cache_of_one_layer_in_six_as_the_probes_kv_heads_or_whole_layers_without_it():
+    """Nothing named: 12 layers of 2 KV heads keep 2 layers' worth, the probe's first 4 heads; without its head
+    ranking (no weights to probe) or with another `select`, 2 whole layers; anything named turns the default off."""
+    ranking = [(5, 1), (7, 0), (5, 0), (2, 1), (9, 0)]
+    spec = PlanSpec(window=8)
+    assert spec.uses_default_full_set and spec.needs_ranking and not spec.needs_head_ranking
+    plan = build_plan(12, spec, ranking=list(range(11, -1, -1)), head_ranking=ranking, kv_heads=2)
+    assert plan.full_layer_ids == [5] and plan.full_kv_head_pairs == [(2, 1), (7, 0)]  # layer 5 got both heads
+    assert build_plan(12, spec, ranking=list(range(11, -1, -1)), kv_heads=2).full_layer_ids == [10, 11]
+    assert build_plan(12, PlanSpec(select="even"), head_ranking=ranking, kv_heads=2).full_layer_ids == [2, 8]
+    for named in ({"full_layers": 2}, {"full_layer_ids": [0]}, {"full_kv_heads": 1}, {"windows": [8] * 12}):
+        assert not PlanSpec(**named).uses_default_full_set
+    assert build_plan(12, PlanSpec(full_layers=3), ranking=list(range(12)), head_ranking=ranking,
+                      kv_heads=2).full_kv_heads is None
+
+
 @pytest.mark.parametrize("spec, message", [
     (PlanSpec(full_kv_heads=9, select="even"), "--full-kv-heads 9: the NHA layers have 8 KV heads"),
     (PlanSpec(full_kv_head_ids=[(4, 0)]), "--full-kv-head-ids (4, 0): out of range"),

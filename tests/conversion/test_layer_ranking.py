@@ -1,5 +1,6 @@
-"""The retrieval probe behind `select="retrieval"` (the default): prompts of exact length holding their record, the
-per-layer score against a brute-force recomputation from the attention weights, and the conversion's use of it."""
+"""The retrieval probe behind `select="retrieval"` and the default plan's full KV heads: prompts of exact length
+holding their record, the per-layer and per-head scores against a brute-force recomputation from the attention weights,
+and the conversion's use of them."""
 
 import json
 
@@ -57,7 +58,18 @@ def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
     assert rank_heads([[0.1, 0.5], [0.5, 0.2]]) == [(0, 1), (1, 0), (1, 1), (0, 0)]
 
 
-def test_the_default_plan_keeps_the_strongest_retrieval_layers_full(original, tmp_path):
+def test_the_default_plan_keeps_the_strongest_retrieval_kv_heads_full(original, tmp_path):
+    """Nothing named: the cache of one layer in six (here one of 4 layers, its 2 KV heads) stays full, as the probe's
+    2 strongest KV heads wherever they are (both in one layer here, which makes it a full layer)."""
+    out = convert(original, tmp_path / "nha", PlanSpec(window=4, slots=4), log=lambda *_: None)
+    record = json.loads((out / "nha_conversion.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    chosen = rank_heads(record["head_retrieval_scores"])[:2]
+    assert len(record["head_retrieval_scores"][0]) == 2 and chosen[0][0] == chosen[1][0] == 3
+    assert config["nha_windows"] == [4, 4, 4, None] and config["nha_full_kv_heads"] == [[], [], [], []]
+
+
+def test_full_layers_are_the_strongest_retrieval_layers(original, tmp_path):
     out = convert(original, tmp_path / "nha", PlanSpec(full_layers=2, window=4, slots=4), log=lambda *_: None)
     record = json.loads((out / "nha_conversion.json").read_text())
     scores = record["layer_retrieval_scores"]
@@ -93,3 +105,6 @@ def test_a_model_without_a_tokenizer_gets_evenly_spaced_full_layers_and_is_told(
     windows = json.loads((out / "config.json").read_text())["nha_windows"]
     assert [i for i, w in enumerate(windows) if w is None] == [0, 2]  # evenly_spaced(4, 2)
     assert any("no tokenizer that can build the retrieval probe" in line for line in lines)
+    default = convert(tiny_llama_folder, tmp_path / "default", PlanSpec(window=4), log=lambda *_: None)
+    config = json.loads((default / "config.json").read_text())  # the default's one layer in six: one whole layer
+    assert config["nha_windows"] == [4, None, 4, 4] and config["nha_full_kv_heads"] is None
