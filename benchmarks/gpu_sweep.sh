@@ -14,7 +14,8 @@
 #   (no carry):  FINAL="NAME=OVERRIDE;..." TOKENS=... bash benchmarks/gpu_sweep.sh final
 #       trains one setting alone and scores it on the whole suite, both groups; $OUT/final.json. A budget too
 #       large for one call splits in two calls: PART=train (training alone), then PART=score (the trained run);
-#       KV_CACHE_DTYPE=float8_e4m3 scores the NHA model through an fp8 full-layer cache (a row NAME+kv_float8_e4m3)
+#       KV_CACHE_DTYPE=float8_e4m3 scores the NHA model through an fp8 full-layer cache (a row NAME+kv_float8_e4m3);
+#       TASKS=niah_word LENGTHS=8192 SAMPLES=100 scores one cell closely (a row of its own, not for the sweep's table)
 set -euo pipefail
 mode=$1
 keep=/tmp/nha-sweep
@@ -101,7 +102,7 @@ if [ "$mode" = final ]; then
     timeout $((590 - SECONDS)) python3 benchmarks/quality_sweep.py --recipe recipes/smollm2_gpu.yaml \
         --tokens "$TOKENS" --parallel 1 --variant "$FINAL" --root outputs/final "${part[@]}" \
         --samples "${SAMPLES:-20}" --group all --lengths "${LENGTHS:-1024,2048,4096,8192}" \
-        --depths "${DEPTHS:-0,25,50,75,100}" --output "$OUT/final.json"
+        --depths "${DEPTHS:-0,25,50,75,100}" ${TASKS:+--tasks "$TASKS"} --output "$OUT/final.json"
     rc=$?
     set -e
     tail -n 30 outputs/final/*.log

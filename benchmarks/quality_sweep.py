@@ -101,7 +101,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
     """Scores every exported variant on the retrieval suite against the original; adds one row each to the JSON."""
     import torch
 
-    from nha_retrofit.eval.retrieval_suite import build_suite, score_suite, suite_report
+    from nha_retrofit.eval.retrieval_suite import SUITE_TASKS, build_suite, score_suite, suite_report
     from nha_retrofit.eval.variants import Variants, load_tokenizer
     from nha_retrofit.modeling.load import load_for_inference
 
@@ -111,8 +111,9 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
     tokenizer = load_tokenizer(converted)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
+    tasks = args.tasks.split(",") if args.tasks else SUITE_TASKS
     suite = build_suite(tokenizer, lengths=lengths, samples=args.samples, depths=depths, group=args.group,
-                        seed=args.seed)
+                        seed=args.seed, tasks=tasks)
     scoring = dict(batch_size=args.batch_size, kv_cache=args.kv_cache_dtype)
     # the original is scored once: it is the same, deterministic model for every variant
     original = score_suite(Variants(load_for_inference(converted), ["original"]), suite, **scoring)
@@ -144,6 +145,7 @@ def evaluate(args, variants: dict, root: Path, converted: Path) -> None:
                    f"{args.tokens / 1e6:.2f}M LM tokens each",
             "date": time.strftime("%Y-%m-%d"),
             "scorer": f"retrieval suite, group {args.group}, depths {args.depths} x {args.samples} samples per length"
+                      + (f", tasks {args.tasks}" if args.tasks else "")
                       + (f"; the NHA model through a static cache in {args.kv_cache_dtype}" if args.kv_cache_dtype
                          else ""),
             "overrides": overrides,
@@ -264,6 +266,9 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--depths", default="0,25,50,75,100")
     parser.add_argument("--group", default="tuning", help="the retrieval suite's group scored")
+    parser.add_argument("--tasks", help="comma-separated suite tasks (default: all): a row of some tasks alone "
+                                        "measures a cell more closely; keep it out of the sweep's --output, whose "
+                                        "table compares rows over every task")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--kv-cache-dtype", help="score the NHA model through a static cache whose full layers "

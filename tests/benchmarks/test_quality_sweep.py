@@ -101,3 +101,7 @@ def test_scoring_a_trained_variant_writes_its_row(tmp_path, tiny_checkpoint, tin
     assert "float8_e4m3" in rows["tiny+kv_float8_e4m3"]["scorer"]
     lines = quality_sweep.report(output, None).splitlines()
     assert [line.split("|")[1:3] for line in lines[2:]] == [[" tiny ", " h100 "], [" tiny+kv_float8_e4m3 ", " h100 "]]
+    one_cell = tmp_path / "cell.json"
+    assert quality_sweep.main([*common[:-1], str(one_cell), "--tasks", "niah_word"]) == 0
+    row = json.loads(one_cell.read_text())["rows"]["tiny"]
+    assert list(row["suite"]["groups"]["tuning"]["tasks"]) == ["niah_word"] and "tasks niah_word" in row["scorer"]

@@ -104,7 +104,8 @@ def test_the_retrieval_suite_on_a_users_own_haystack(checkpoint, tmp_path):
     (["--tasks", "heldout", "--prompt", "a b " * 300], "length of --prompt and its completion 641 is beyond the "
                                                        "model's 512 positions (max_position_embeddings); pass "
                                                        "--allow-beyond-positions"),
-    (["--tasks", "passkee", "--include-path", "TASKS"], "unknown task 'passkee' (did you mean 'passkey'?)"),
+    pytest.param(["--tasks", "passkee", "--include-path", "TASKS"], "unknown task 'passkee' (did you mean 'passkey'?)",
+                 marks=pytest.mark.slow),  # lm-eval indexes its thousands of task files (13 s on 2 cores)
     (["--tasks", "passkey", "--depths", "0,150"], "needle depths are percentages from 0 to 100"),
     (["--tasks", "heldout", "--texts", "wikitext"], "unknown text 'wikitext'"),
     (["--tasks", "heldout", "--chunk-len", "9000"], "--chunk-len must be >= 2 and at most --max-tokens (8192)"),
