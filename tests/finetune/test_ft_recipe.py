@@ -150,7 +150,9 @@ def test_demo_recipe_dry_runs_with_its_real_model(tmp_path, smollm2_nha):
          f"train.output_dir={tmp_path / 'run'}"],
         dry_run=True, log=lambda *_: None,
     )
-    assert plan["full_layers"] == [7, 14, 18, 20, 21] and plan["windows"] == [256]  # the retrieval probe's pick
+    pinned = load_recipe(RECIPES / "smollm2_gpu.yaml").model.convert.full_kv_head_ids
+    assert plan["full_layers"] == [] and plan["windows"] == [256]  # the default: the probe's 15 KV heads
+    assert [tuple(pair) for pair in plan["full_kv_heads"]] == list(pinned) and len(pinned) == 15
     assert plan["total_parameters"] > 134_000_000 and 0 < plan["trainable_parameters"] < plan["total_parameters"] / 3
 
 
