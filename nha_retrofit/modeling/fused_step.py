@@ -66,10 +66,18 @@ def compiled(function):
     return torch.compile(function)
 
 
+def _plain_linears_alike(linears) -> bool:
+    """Whether `linears` are plain linear layers (not, say, peft's LoRA layers, whose adapters a merged weight would
+    leave out) with weights of one dtype on one device, which can be merged without changing either."""
+    return (all(type(linear) is torch.nn.Linear for linear in linears)
+            and len({(linear.weight.dtype, linear.weight.device) for linear in linears}) == 1)
+
+
 def is_gated_silu_mlp(mlp) -> bool:
-    """Whether `mlp` is a dense down(silu(gate(x)) * up(x)) without biases (Llama's and Qwen2's MLP)."""
+    """Whether `mlp` is a dense down(silu(gate(x)) * up(x)) without biases (Llama's and Qwen2's MLP) whose gate and up
+    projections can be merged."""
     projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    return (all(type(p) is torch.nn.Linear and p.bias is None for p in projections)
+    return (_plain_linears_alike(projections) and all(p.bias is None for p in projections)
             and getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu")
 
 
@@ -113,10 +121,8 @@ def merged_rows(linears, count: int | None = None):
 
 def can_fuse(layer) -> bool:
     """Whether `layer` steps fused: its forward not wrapped (accelerate's device-map hooks set one on the instance:
-    they move the inputs to the layer's device) and its attention's projections plain linear layers (not, say, peft's
-    LoRA layers, whose adapters the merged weight would leave out)."""
-    return "forward" not in vars(layer) and all(type(p) is torch.nn.Linear
-                                                for p in _attention_linears(layer.self_attn))
+    they move the inputs to the layer's device) and its attention's projections mergeable."""
+    return "forward" not in vars(layer) and _plain_linears_alike(_attention_linears(layer.self_attn))
 
 
 def merge_projections(layers):

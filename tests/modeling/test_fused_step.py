@@ -115,11 +115,17 @@ def test_the_merged_weights_stay_the_layers_own_through_training_saving_and_conv
         assert shares_storage(*projection_weights(nha.model.layers[0])[:4])
 
 
-def test_layers_whose_projections_are_not_plain_linear_layers_step_as_they_are():
-    """A LoRA-wrapped projection (peft) is not merged: its layer keeps its own forward, adapter included."""
+def test_layers_whose_projections_cannot_merge_step_as_they_are():
+    """A gate projection in another dtype than q/k/v is not merged (nor cast); a LoRA-wrapped projection (peft) is
+    not merged either: its layer keeps its own forward, adapter included."""
     import peft
 
     _, nha = tiny_nha_pair([3, None, 0, 5])
+    nha.model.layers[0].self_attn.g_proj.double()
+    assert not can_fuse(nha.model.layers[0]) and can_fuse(nha.model.layers[1])
+    nha.model.layers[0].mlp.up_proj.double()
+    assert not is_gated_silu_mlp(nha.model.layers[0].mlp) and is_gated_silu_mlp(nha.model.layers[1].mlp)
+    nha.model.layers[0].float()
     ids = torch.randint(3, 128, (2, 23), generator=torch.Generator().manual_seed(15))
     wrapped = peft.get_peft_model(nha, peft.LoraConfig(r=2, target_modules=["v_proj"], init_lora_weights=False))
     layers = wrapped.get_base_model().model.layers
