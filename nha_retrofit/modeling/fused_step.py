@@ -152,9 +152,10 @@ def attention_projections(attention, hidden_states, position_embeddings):
     """`attention.projections` through the compiled `_projections`: q, k, v (and in an NHA layer the gate logits)
     from one matmul."""
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-    linears = _attention_linears(attention)[:3 if attention.window is None else 4]
+    every = _attention_linears(attention)
+    linears = every[:3 if attention.window is None else 4]  # a full layer's gate is merged, not computed
     q, k, v, q_rope, k_rope, *gates = compiled(_projections)(
-        hidden_states, attention.head_dim, merged_rows(_attention_linears(attention), len(linears)),
+        hidden_states, attention.head_dim, merged_rows(every, len(linears)),
         tuple(linear.bias for linear in linears), tuple(linear.out_features for linear in linears),
         q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
         q_norm.variance_epsilon if q_norm is not None else 0.0, *position_embeddings)
