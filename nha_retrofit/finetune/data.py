@@ -157,11 +157,19 @@ class LocalBlocks:
                 f"the dataset is too small: {len(stream)} tokens, but data.eval_blocks={spec.eval_blocks} held-out "
                 f"blocks plus one training block of data.seq_len={spec.seq_len} need {held + spec.seq_len}"
             )
+        factor = spec.long_factor
+        if n_train < factor:
+            raise NHARetrofitError(
+                f"the dataset is too small for data.long.seq_len={spec.long.seq_len}: {n_train * spec.seq_len} "
+                "training tokens"
+            )
         tokens = torch.tensor(stream, dtype=torch.int32)
         self.train = tokens[: n_train * spec.seq_len].view(n_train, spec.seq_len)
+        # long blocks: `factor` consecutive blocks of the stream, so each is contiguous text
+        self.long_train = self.train[: n_train // factor * factor].reshape(-1, factor * spec.seq_len)
         self.eval_blocks = tokens[len(stream) - held :].view(spec.eval_blocks, spec.seq_len).long()
-        self.position = 0
-        self._epoch, self._order = -1, None
+        self.position = self.long_position = 0
+        self._order_of = {}
 
     @property
     def train_tokens(self) -> int:
@@ -173,25 +181,33 @@ class LocalBlocks:
             f"{self.train.shape[0]:,} training blocks of {self.seq_len} + {self.eval_blocks.shape[0]} held out"
         )
 
-    def _permutation(self, epoch: int):
-        if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-            self._epoch, self._order = epoch, torch.randperm(self.train.shape[0], generator=gen)
-        return self._order
+    def _permutation(self, epoch: int, long: bool):
+        """The shuffled order of one epoch over the blocks (or the long blocks), the same on every process."""
+        if (epoch, long) not in self._order_of:
+            seed = self.seed * 1_000_003 + epoch + 1
+            gen = torch.Generator().manual_seed(seed + (1 << 40) if long else seed)
+            rows = self.long_train if long else self.train
+            self._order_of = {(epoch, long): torch.randperm(rows.shape[0], generator=gen)}
+        return self._order_of[epoch, long]
 
-    def next_blocks(self, count: int) -> torch.Tensor:
-        n = self.train.shape[0]
-        rows = []
-        for g in range(self.position, self.position + count):
-            rows.append(self._permutation(g // n)[g % n])
-        self.position += count
-        return self.train[torch.stack(rows)].long()
+    def next_blocks(self, count: int, long: bool = False) -> torch.Tensor:
+        """The next `count` blocks of seq_len tokens, or of data.long.seq_len tokens with `long`."""
+        rows = self.long_train if long else self.train
+        start = self.long_position if long else self.position
+        n = rows.shape[0]
+        picks = [self._permutation(g // n, long)[g % n] for g in range(start, start + count)]
+        if long:
+            self.long_position += count
+        else:
+            self.position += count
+        return rows[torch.stack(picks)].long()
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "long_position": self.long_position}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+        self.long_position = int(state.get("long_position", 0))
 
 
 class StreamedBlocks:
@@ -257,8 +273,11 @@ class StreamedBlocks:
         blocks, self.carry = self.carry[:need], self.carry[need:]
         return [blocks[i : i + self.spec.seq_len] for i in range(0, need, self.spec.seq_len)]
 
-    def next_blocks(self, count: int) -> torch.Tensor:
-        return torch.tensor(self._take(count), dtype=torch.long)
+    def next_blocks(self, count: int, long: bool = False) -> torch.Tensor:
+        """The next `count` blocks of seq_len tokens, or of data.long.seq_len tokens (consecutive blocks) with
+        `long`."""
+        factor = self.spec.long_factor if long else 1
+        return torch.tensor(self._take(count * factor), dtype=torch.long).view(count, factor * self.spec.seq_len)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "docs": self.docs, "carry": list(self.carry)}
@@ -274,6 +293,6 @@ def load_blocks(spec: DataSection, tokenizer, progress: bool = False):
     # a Hub id, or a local dataset folder: streamed either way
     blocks = StreamedBlocks(spec, tokenizer) if spec.dataset else LocalBlocks(spec, tokenizer, progress)
     if spec.synthetic.share > 0:
-        exercises = RecallExercises(tokenizer, spec.seq_len, spec.synthetic.share, spec.synthetic.records, spec.seed)
+        exercises = RecallExercises(tokenizer, spec.synthetic.share, spec.synthetic.records, spec.seed)
         blocks = MixedBlocks(blocks, exercises)
     return blocks

@@ -62,6 +62,14 @@ class SyntheticSection(Section):
     records: AtLeastOne = 4  # record lines written into an exercise block (some asked back at its end)
 
 
+class LongBlocksSection(Section):
+    """A length curriculum: the LM stage's last `share` of optimizer steps reads blocks of `seq_len` tokens, each that
+    many consecutive tokens of the packed stream, with the same tokens per step (fewer, longer blocks)."""
+
+    seq_len: Count = 0  # 0 disables it; a multiple of data.seq_len that divides data.seq_len x train.batch_size
+    share: Annotated[float, Field(gt=0, le=1)] = 0.25
+
+
 class DataSection(Section):
     files: list[str] = []  # local files or globs: text (.txt .md .py ...), .jsonl/.json, .parquet
     exclude: list[str] = []  # globs removed from `files` (e.g. the held-out texts)
@@ -74,6 +82,12 @@ class DataSection(Section):
     seed: int = 0  # document split and shuffle order
     shuffle_buffer: AtLeastOne = 10000  # documents in the streaming shuffle buffer (Hub datasets)
     synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+    long: LongBlocksSection = Field(default_factory=LongBlocksSection)
+
+    @property
+    def long_factor(self) -> int:
+        """Base blocks joined into one long block (1: no length curriculum)."""
+        return self.long.seq_len // self.seq_len if self.long.seq_len else 1
 
 
 class LoraSection(Section):
@@ -175,6 +189,12 @@ class Recipe(Section):
             raise KeyProblem("data", "give exactly one of data.files (local) or data.dataset (Hub)")
         if self.stages.attention_transfer.tokens + self.stages.lm.tokens == 0:
             raise KeyProblem("stages", "both stages have tokens 0: nothing to train")
+        long, seq_len = self.data.long.seq_len, self.data.seq_len
+        if long and (long % seq_len or long == seq_len):
+            raise KeyProblem("data.long.seq_len", f"must be a multiple of data.seq_len ({seq_len}) larger than it")
+        if long and self.train.batch_size % self.data.long_factor:
+            raise KeyProblem("data.long.seq_len", f"{long} tokens per block must divide the "
+                                                  f"{self.train.batch_size} x {seq_len} tokens of a micro-batch")
         return self
 
     def as_dict(self) -> dict:

@@ -55,8 +55,8 @@ def _value(rng: random.Random, words: list[str]) -> str:
 class RecallExercises:
     """Turns a share of training blocks into recall exercises over their own text (see the module docstring)."""
 
-    def __init__(self, tokenizer, seq_len: int, share: float, records: int, seed: int):
-        self.tokenizer, self.seq_len, self.share, self.records, self.seed = tokenizer, seq_len, share, records, seed
+    def __init__(self, tokenizer, share: float, records: int, seed: int):
+        self.tokenizer, self.share, self.records, self.seed = tokenizer, share, records, seed
         newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
         self.newline = newline[-1] if newline else None
 
@@ -64,12 +64,12 @@ class RecallExercises:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def apply(self, block: torch.Tensor, index: int) -> torch.Tensor:
-        """`block` (one row of seq_len token ids), turned into an exercise when the index's draw says so."""
+        """`block` (one row of token ids, of any length), turned into an exercise when the index's draw says so."""
         rng = random.Random(f"{self.seed}:{index}")
         if rng.random() >= self.share:
             return block
-        ids = block.tolist()
-        words = sorted(set(re.findall(r"\b[a-z]{4,12}\b", self.tokenizer.decode(ids[: self.seq_len // 2]))))
+        ids, seq_len = block.tolist(), len(block)
+        words = sorted(set(re.findall(r"\b[a-z]{4,12}\b", self.tokenizer.decode(ids[: seq_len // 2]))))
         records, questions = [], []
         for _ in range(self.records):
             record, question = rng.choice(RECORD_FORMATS)
@@ -78,19 +78,19 @@ class RecallExercises:
             questions.append(self._encode(question.format(key=key, value=value)))
         rng.shuffle(questions)
         questions = questions[: rng.randint(1, len(questions))]
-        quote = self._line_quote(ids[: self.seq_len // 2], rng)  # a line from the half that is always kept
+        quote = self._line_quote(ids[: seq_len // 2], rng)  # a line from the half that is always kept
         if quote:
             questions.insert(rng.randrange(len(questions) + 1), quote)
         # the text kept before the questions: every record inserted into it must survive the cut
-        body = self.seq_len - sum(map(len, records)) - sum(map(len, questions))
-        if body < self.seq_len // 2:
+        body = seq_len - sum(map(len, records)) - sum(map(len, questions))
+        if body < seq_len // 2:
             return block
         tail = [t for q in questions for t in q]
         # records go at line starts (after a line break), so that no line of the block, quoted or not, is cut
         starts = [i + 1 for i in range(body - 1) if ids[i] == self.newline] or list(range(body))
         for position, tokens in sorted(((rng.choice(starts), r) for r in records), key=lambda p: -p[0]):
             ids[position:position] = tokens
-        room = self.seq_len - len(tail)
+        room = seq_len - len(tail)
         return torch.tensor(ids[:room] + tail, dtype=block.dtype)
 
     def _line_quote(self, ids: list[int], rng: random.Random) -> list[int] | None:
@@ -126,8 +126,8 @@ class MixedBlocks:
         return (f"{self.blocks.describe()}; {self.exercises.share:.0%} of blocks carry {self.exercises.records} "
                 "recall records")
 
-    def next_blocks(self, count: int) -> torch.Tensor:
-        rows = self.blocks.next_blocks(count)
+    def next_blocks(self, count: int, long: bool = False) -> torch.Tensor:
+        rows = self.blocks.next_blocks(count, long)
         mixed = torch.stack([self.exercises.apply(row, self.drawn + i) for i, row in enumerate(rows)])
         self.drawn += count
         return mixed

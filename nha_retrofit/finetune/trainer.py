@@ -148,14 +148,16 @@ class Run:
         dtype = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
         self.source_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # the checkpoint's
         limit = getattr(self.config, "max_position_embeddings", None)
-        if limit is not None and r.data.seq_len > limit:
-            raise NHARetrofitError(
-                f"recipe key data.seq_len: {r.data.seq_len} exceeds the model's max_position_embeddings {limit}"
-            )
+        for key, length in (("data.seq_len", r.data.seq_len), ("data.long.seq_len", r.data.long.seq_len)):
+            if limit is not None and length > limit:
+                raise NHARetrofitError(
+                    f"recipe key {key}: {length} exceeds the model's max_position_embeddings {limit}"
+                )
         per_step = r.data.seq_len * r.train.batch_size * r.train.grad_accum * accelerator_processes
         self.tokens_per_step = per_step
         self.transfer_steps = math.ceil(r.stages.attention_transfer.tokens / per_step)
         self.lm_steps = math.ceil(r.stages.lm.tokens / per_step)
+        self.long_steps = round(self.lm_steps * r.data.long.share) if r.data.long.seq_len else 0
         self.total_steps = self.transfer_steps + self.lm_steps
         return {
             "model": str(self.source.folder),
@@ -167,6 +169,7 @@ class Run:
             "tokens_per_step": per_step,
             "attention_transfer_steps": self.transfer_steps,
             "lm_steps": self.lm_steps,
+            "long_block_steps": self.long_steps,
             "total_steps": self.total_steps,
             "total_tokens": self.total_steps * per_step,
         }
@@ -368,11 +371,11 @@ class Run:
             run.load_state_dict(state["run"])
             scheduler.load_state_dict(state["scheduler"])
             saved = run.summary.get("plan", {})
-            for key in ("tokens_per_step", "attention_transfer_steps"):
+            for key in ("tokens_per_step", "attention_transfer_steps", "long_block_steps"):
                 if key in saved and saved[key] != plan[key]:
                     raise NHARetrofitError(
                         f"--resume: the run in {self.out} was started with {key} {saved[key]}, the recipe now gives "
-                        f"{plan[key]} (batch size, accumulation, processes, seq_len or stage tokens changed)"
+                        f"{plan[key]} (batch size, accumulation, processes, seq_len, data.long or stage tokens changed)"
                     )
             run.summary["plan"] = plan
             self._truncate_metrics(run.step)
@@ -446,11 +449,15 @@ class Run:
     def stage_at(self, step: int) -> str:
         return "attention_transfer" if step < self.transfer_steps else "lm"
 
-    def micro_batches(self) -> list[torch.Tensor]:
-        """This process's blocks for each micro-step of the next optimizer step."""
-        world, rank, bs = self.acc.num_processes, self.acc.process_index, self.recipe.train.batch_size
-        return [self.data.next_blocks(world * bs)[rank * bs : (rank + 1) * bs].to(self.acc.device)
-                for _ in range(self.recipe.train.grad_accum)]
+    def micro_batches(self, step: int) -> list[torch.Tensor]:
+        """This process's blocks for each micro-step of optimizer step `step`: in the LM stage's last
+        `long_block_steps`, fewer blocks of data.long.seq_len tokens (the same tokens per step)."""
+        r = self.recipe
+        long = step >= self.total_steps - self.long_steps
+        world, rank = self.acc.num_processes, self.acc.process_index
+        bs = r.train.batch_size // r.data.long_factor if long else r.train.batch_size
+        return [self.data.next_blocks(world * bs, long)[rank * bs : (rank + 1) * bs].to(self.acc.device)
+                for _ in range(r.train.grad_accum)]
 
     def optimizer_step(self, stage: str, batches: list[torch.Tensor]) -> dict:
         """One optimizer step of `stage` over this process's micro-batches: forward, backward and clipping through
@@ -516,7 +523,7 @@ class Run:
                 self._fresh_lm_only_state()
             data_at_start = data.state_dict()
             try:
-                metrics = self.optimizer_step(stage, self.micro_batches())
+                metrics = self.optimizer_step(stage, self.micro_batches(run.step))
             except NonFinite as error:
                 data.load_state_dict(data_at_start)
                 self._stop_non_finite(run, stage, str(error), last_saved)

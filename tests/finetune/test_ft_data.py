@@ -72,6 +72,31 @@ def test_exclude_and_deterministic_resume(tmp_path, tokenizer):
     assert torch.equal(a.eval_blocks, c.eval_blocks)
 
 
+def test_long_blocks_are_consecutive_text_in_an_order_of_their_own(tmp_path, tokenizer):
+    """data.long: a long block is `factor` consecutive blocks of the packed stream; drawing them leaves the ordinary
+    blocks' order untouched, and both positions resume exactly."""
+    for i in range(6):
+        (tmp_path / f"{i}.txt").write_text(" ".join(f"w{i}.{j}" for j in range(90)))
+    base = DataSection(files=[str(tmp_path / "*.txt")], seq_len=16, eval_blocks=2)
+    spec = base.model_copy(update={"long": base.long.model_copy(update={"seq_len": 48})})
+    plain, data = LocalBlocks(base, tokenizer), LocalBlocks(spec, tokenizer)
+    stream = data.train.reshape(-1)
+    longs = data.next_blocks(7, long=True)
+    assert longs.shape == (7, 48) and longs.dtype == torch.long
+    for row in longs:  # 48 tokens of the stream, from a multiple of 3 blocks
+        assert any(torch.equal(stream[s : s + 48].long(), row) for s in range(0, len(stream) - 47, 48))
+    assert len({tuple(r.tolist()) for r in longs}) == 7
+    assert torch.equal(data.next_blocks(5), plain.next_blocks(5))
+    state = data.state_dict()
+    again = LocalBlocks(spec, tokenizer)
+    again.load_state_dict(state)
+    assert torch.equal(again.next_blocks(3, long=True), data.next_blocks(3, long=True))
+    assert torch.equal(again.next_blocks(2), data.next_blocks(2))
+    tiny = base.model_copy(update={"long": base.long.model_copy(update={"seq_len": 16 * 10_000})})
+    with pytest.raises(NHARetrofitError, match="the dataset is too small for data.long.seq_len=160000"):
+        LocalBlocks(tiny, tokenizer)
+
+
 def test_streamed_dataset_folder_resumes_exactly(tmp_path, tokenizer):
     pytest.importorskip("datasets")
     folder = tmp_path / "ds"
@@ -88,6 +113,9 @@ def test_streamed_dataset_folder_resumes_exactly(tmp_path, tokenizer):
     c.load_state_dict(json.loads(json.dumps(b.state_dict())))
     assert torch.equal(torch.cat(expected[2:]), torch.cat([c.next_blocks(3) for _ in range(10)]))
     assert torch.equal(a.eval_blocks, c.eval_blocks)
+    long = StreamedBlocks(spec.model_copy(update={"long": spec.long.model_copy(update={"seq_len": 32})}), tokenizer)
+    joined = long.next_blocks(3, long=True)
+    assert joined.shape == (3, 32) and torch.equal(joined.reshape(6, 16), torch.cat(expected[:2]))
 
 
 def test_unknown_dataset_is_one_line(tokenizer, tmp_path, monkeypatch):

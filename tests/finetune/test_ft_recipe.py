@@ -41,6 +41,11 @@ def test_defaults_and_types():
         (minimal(train={"betas": [0.9, 1.0]}), "recipe key train.betas[1]: 1.0: must be < 1"),
         (minimal(data={"files": ["a"], "synthetic": {"share": 1.5}}), "recipe key data.synthetic.share: 1.5: must be <= 1"),
         (minimal(train={"lr": float("nan")}), "recipe key train.lr: expected a finite number"),
+        (minimal(data={"files": ["a"], "seq_len": 64, "long": {"seq_len": 100}}),
+         "recipe key data.long.seq_len: must be a multiple of data.seq_len (64) larger than it"),
+        (minimal(data={"files": ["a"], "seq_len": 64, "long": {"seq_len": 256}}, train={"batch_size": 2}),
+         "recipe key data.long.seq_len: 256 tokens per block must divide the 2 x 64 tokens of a micro-batch"),
+        (minimal(data={"files": ["a"], "long": {"share": 0}}), "recipe key data.long.share: 0: must be > 0"),
         (minimal(model={"path": "x", "convert": {"slots": 0}}), "recipe key model.convert.slots: 0: at least one slot"),
         (minimal(model={"path": "x", "convert": {"widow": 32}}), "recipe key model.convert.widow: unknown key, did you "
                                                                  "mean window?"),

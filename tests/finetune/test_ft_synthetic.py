@@ -29,7 +29,7 @@ def prose_block(tokenizer, seed: int) -> torch.Tensor:
 
 
 def test_an_exercise_keeps_the_length_and_asks_only_records_it_holds(tokenizer):
-    exercises = RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=3)
+    exercises = RecallExercises(tokenizer, share=1.0, records=4, seed=3)
     asked = 0
     for index in range(12):
         block = prose_block(tokenizer, index)
@@ -52,7 +52,7 @@ def test_an_exercise_keeps_the_length_and_asks_only_records_it_holds(tokenizer):
 
 def test_some_values_are_words_of_the_block_itself(tokenizer):
     """Besides numbers, hex strings and made-up words, records hold words the block's own text uses elsewhere."""
-    exercises = RecallExercises(tokenizer, SEQ_LEN, share=1.0, records=4, seed=5)
+    exercises = RecallExercises(tokenizer, share=1.0, records=4, seed=5)
     prose = set("the tide turns at dawn while gulls circle over the harbour wall and nets dry".split())
     values = []
     for index in range(24):
@@ -66,13 +66,13 @@ def test_some_values_are_words_of_the_block_itself(tokenizer):
 
 
 def test_the_share_is_drawn_per_block_and_repeats_exactly(tokenizer):
-    exercises = RecallExercises(tokenizer, SEQ_LEN, share=0.5, records=3, seed=0)
+    exercises = RecallExercises(tokenizer, share=0.5, records=3, seed=0)
     block = prose_block(tokenizer, 0)
     changed = [not torch.equal(exercises.apply(block, i), block) for i in range(200)]
     assert 70 < sum(changed) < 130
-    again = RecallExercises(tokenizer, SEQ_LEN, share=0.5, records=3, seed=0)
+    again = RecallExercises(tokenizer, share=0.5, records=3, seed=0)
     assert all(torch.equal(exercises.apply(block, i), again.apply(block, i)) for i in range(20))
-    other_seed = RecallExercises(tokenizer, SEQ_LEN, share=0.5, records=3, seed=1)
+    other_seed = RecallExercises(tokenizer, share=0.5, records=3, seed=1)
     assert any(not torch.equal(exercises.apply(block, i), other_seed.apply(block, i)) for i in range(20))
 
 

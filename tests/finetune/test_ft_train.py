@@ -313,3 +313,32 @@ def test_tensorboard_needs_its_package(world, tmp_path):
     model, data = world
     with pytest.raises(NHARetrofitError, match="recipe key train.tensorboard: install tensorboard"):
         finetune(tiny_recipe(model, data, tmp_path / "run", train={"tensorboard": True}), **quiet)
+
+
+def test_long_blocks_end_the_lm_stage_with_the_same_tokens_per_step(world, tmp_path, monkeypatch):
+    """data.long: the LM stage's last `share` of steps reads half as many blocks of twice the length, and a run
+    stopped inside that phase resumes onto the same loss curve."""
+    from nha_retrofit.finetune.data import LocalBlocks
+
+    model, data = world
+    drawn = []
+    real = LocalBlocks.next_blocks
+
+    def spy(self, count, long=False):
+        blocks = real(self, count, long)
+        drawn.append(tuple(blocks.shape))
+        return blocks
+
+    monkeypatch.setattr(LocalBlocks, "next_blocks", spy)
+    long = {"files": [str(data / "*.txt")], "seq_len": 32, "eval_blocks": 2, "long": {"seq_len": 64, "share": 0.5}}
+    full = tiny_recipe(model, data, tmp_path / "full", data=long, train={"checkpoint_every": 100})
+    summary = finetune(full, **quiet)
+    assert summary["steps"] == 6 and summary["tokens"] == 384 and summary["plan"]["long_block_steps"] == 2
+    assert drawn == [(2, 32)] * 4 + [(1, 64)] * 2
+    part = tiny_recipe(model, data, tmp_path / "part", data=long, train={"checkpoint_every": 100, "stop_after_steps": 5})
+    finetune(part, **quiet)
+    part["train"]["stop_after_steps"] = None
+    finetune(part, resume=True, **quiet)
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert [x[:2] for x in a] == [x[:2] for x in b]
+    assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) <= 1e-6
