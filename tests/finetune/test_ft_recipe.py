@@ -132,10 +132,13 @@ def test_every_recipe_dry_runs(name, tiny_world):
     model, data, root = tiny_world
     raw = yaml.safe_load((RECIPES / name).read_text())
     overrides = [f"model.path={model}", "model.convert.full_layer_ids=null", "model.convert.full_kv_head_ids=null",
-                 "model.convert.full_layers=1", f"data.files=[{data}/*.txt]", "data.dataset=null", "data.seq_len=64", "data.eval_blocks=2", f"train.output_dir={root / name}"]
+                 "model.convert.full_layers=1", f"data.files=[{data}/*.txt]", "data.dataset=null", "data.seq_len=32", "data.eval_blocks=2", f"train.output_dir={root / name}"]
+    long = raw["data"].get("long", {"seq_len": 0, "share": 0})
+    overrides.append(f"data.long.seq_len={32 * long['seq_len'] // raw['data']['seq_len']}")  # the same blocks joined
     plan = finetune(RECIPES / name, overrides, dry_run=True, log=lambda *_: None)
     assert plan["total_steps"] >= 1 and plan["trainable_parameters"] > 0
     assert plan["total_tokens"] >= raw["stages"]["lm"]["tokens"]
+    assert plan["long_block_steps"] == round(plan["lm_steps"] * long["share"])
 
 
 def test_a_plan_the_model_cannot_take_names_the_recipe_key(tiny_world, tmp_path):
