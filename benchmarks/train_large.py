@@ -108,7 +108,8 @@ class Settings:
 
     def common_overrides(self, out: Path, recipe: Path, transfer_steps: int, lm_steps: int) -> list[str]:
         shape, per_step = self.geometry(recipe)
-        return [f"data.files={self.data}", "data.dataset=null", "data.eval_blocks=2", *shape,
+        # no length curriculum: the side-by-side steps time the long contexts themselves
+        return [f"data.files={self.data}", "data.dataset=null", "data.eval_blocks=2", "data.long.seq_len=0", *shape,
                 f"stages.attention_transfer.tokens={transfer_steps * per_step}",
                 f"stages.lm.tokens={lm_steps * per_step}", "train.log_every=1", "train.keep_checkpoints=1",
                 f"train.output_dir={out}", "eval.before=false", "eval.heldout_texts=[]",

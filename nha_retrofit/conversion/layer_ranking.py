@@ -5,10 +5,10 @@ A few attention heads do a model's long-range retrieval: asked for a fact stated
 on it. A layer whose retrieval heads become a window and slots loses that fact, so those layers keep full attention.
 The probe: `samples` prompts of `length` tokens of Python standard-library source (code the finetuning recipes train
 on, never a held-out text of the evaluations), each with one record line (`registry entry KEY holds VALUE`) at a
-random line start in its first half, and the record's first words again at the end. In the original model (eager
-attention, so the weights are returned), a KV head's score is the largest, over its query heads, of the attention mass
-the positions that predict the value put on the record's tokens, averaged over the prompts; a layer's is the largest
-over all of its heads, averaged the same way. Layers and heads rank by score.
+random line start in its first half, and the record's first words again at the end. In the original model (its
+attention weights as eager attention gives them), a KV head's score is the largest, over its query heads, of the
+attention mass the positions that predict the value put on the record's tokens, averaged over the prompts; a layer's
+is the largest over all of its heads, averaged the same way. Layers and heads rank by score.
 On SmolLM2-135M the retrieval heads sit in layers 7, 14, 17, 18, 20, 21 and 23; the evenly spaced default of 4 of 30
 (3, 10, 18, 25) kept one of them (docs/benchmarks.md#quality-sweep-benchmarksquality_sweeppy).
 """
@@ -36,7 +36,8 @@ PROBE_LENGTH = 1024
 
 
 class ProbeError(NHARetrofitError):
-    """The model's tokenizer cannot build the probe's prompts (too few tokens, or too few positions)."""
+    """The model's tokenizer cannot build the probe's prompts (too few tokens, or too few positions), or its layers
+    do not run the probe's attention function."""
 
 
 def probe_text() -> str:
@@ -80,28 +81,61 @@ class ProbeScores(NamedTuple):
     heads: list[list[float]]
 
 
+PROBE_ATTENTION = "nha_retrofit_probe"
+
+
+def answer_row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, probe_rows=None,
+                         probe_weights=None, **kwargs):
+    """The probe's attention function: SDPA's output, and the attention weights eager attention would give, for the
+    rows `probe_rows` alone (appended to `probe_weights` as [batch, heads, rows, keys]). Eager attention builds every
+    row of every layer's weights, which made the probe twice as slow on a CPU. Unpadded causal prompts only."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                    **kwargs)
+    rows = torch.as_tensor(probe_rows, device=query.device)
+    keys = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)  # query head h reads KV head h // g
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = query[:, :, rows].float() @ keys.transpose(-1, -2) * scale
+    future = torch.arange(key.shape[2], device=query.device) > rows[:, None]
+    probe_weights.append(logits.masked_fill(future, float("-inf")).softmax(-1))
+    return output
+
+
 @torch.no_grad()
 def prompt_scores(model, prompts, progress: bool = False) -> ProbeScores:
-    """The `ProbeScores` of the original `model` (run with eager attention) on `prompts` (`probe_prompts`)."""
+    """The `ProbeScores` of the original `model` on `prompts` (`probe_prompts`), with its weights as eager attention
+    gives them (`answer_row_attention`)."""
     from tqdm.auto import tqdm
+    from transformers import AttentionInterface
 
+    AttentionInterface.register(PROBE_ATTENTION, answer_row_attention)
     device = next(model.parameters()).device
     groups = model.config.num_attention_heads // (model.config.num_key_value_heads or model.config.num_attention_heads)
     heads = layers = None
-    for prompt, record, answer in tqdm(prompts, desc="retrieval probe", unit="prompt", disable=not progress,
-                                       leave=False):
-        out = model(torch.tensor([prompt], device=device), output_attentions=True, use_cache=False,
-                    logits_to_keep=1)
-        per_head = torch.stack([weights[0][:, answer][:, :, record].sum(-1).mean(-1).float().view(-1, groups).amax(-1)
-                                for weights in out.attentions])  # [layers, KV heads]
-        heads = per_head if heads is None else heads + per_head
-        layers = per_head.amax(-1) if layers is None else layers + per_head.amax(-1)
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation(PROBE_ATTENTION)
+    try:
+        for prompt, record, answer in tqdm(prompts, desc="retrieval probe", unit="prompt", disable=not progress,
+                                           leave=False):
+            attentions = []
+            model(torch.tensor([prompt], device=device), use_cache=False, logits_to_keep=1,
+                  probe_rows=list(answer), probe_weights=attentions)
+            if len(attentions) != model.config.num_hidden_layers:  # a model that takes no attention function
+                raise ProbeError(f"the retrieval probe read the attention of {len(attentions)} of "
+                                 f"{model.config.num_hidden_layers} layers")
+            per_head = torch.stack([weights[0][:, :, record].sum(-1).mean(-1).view(-1, groups).amax(-1)
+                                    for weights in attentions])  # [layers, KV heads]
+            heads = per_head if heads is None else heads + per_head
+            layers = per_head.amax(-1) if layers is None else layers + per_head.amax(-1)
+    finally:
+        model.set_attn_implementation(implementation)
     return ProbeScores((layers / len(prompts)).tolist(), (heads / len(prompts)).tolist())
 
 
 def probe_scores(model, tokenizer, samples: int = PROBE_SAMPLES, length: int = PROBE_LENGTH,
                  progress: bool = False) -> ProbeScores:
-    """The retrieval probe's `ProbeScores` of the original `model` (run with eager attention)."""
+    """The retrieval probe's `ProbeScores` of the original `model`."""
     return prompt_scores(model, probe_prompts(tokenizer, samples, length), progress)
 
 
@@ -129,7 +163,7 @@ def probe_folder(folder: Path, device: str = "auto", log=print, progress: bool =
     except (OSError, ValueError, TypeError):
         return None
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").to(target).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder).to(target).eval()
     except OSError:  # no weights (a config-only folder, as for a dry run of a recipe's plan)
         return None
     try:

@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ft_helpers import write_tiny_original
+from tiny_models import families
 from nha_retrofit.conversion import convert
 from nha_retrofit.conversion.layer_ranking import probe_prompts, probe_scores, rank_heads, rank_layers
 from nha_retrofit.errors import NHARetrofitError
@@ -35,27 +36,48 @@ def test_probe_prompts_are_exact_and_hold_their_record(original):
         assert answer.stop == LENGTH - 1 and record.stop <= LENGTH // 2 + len(record)
 
 
-def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
-    tokenizer = AutoTokenizer.from_pretrained(original)
-    model = LlamaForCausalLM.from_pretrained(original, attn_implementation="eager").eval()
-    scores = probe_scores(model, tokenizer, samples=3, length=LENGTH)
+def brute_force_scores(folder, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per layer, per layer and KV head) scores read off eager attention's weights, one element at a time."""
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    expected = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
-    expected_heads = torch.zeros(model.config.num_hidden_layers, model.config.num_key_value_heads, dtype=torch.float64)
-    for prompt, record, answer in probe_prompts(tokenizer, samples=3, length=LENGTH):
+    assert groups > 1
+    layers = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
+    heads = torch.zeros(model.config.num_hidden_layers, model.config.num_key_value_heads, dtype=torch.float64)
+    for prompt, record, answer in prompts:
         with torch.no_grad():
             attentions = model(torch.tensor([prompt]), output_attentions=True).attentions
         for layer, weights in enumerate(attentions):
-            heads = weights[0].double()
-            means = [sum(sum(float(heads[h, q, k]) for k in record) for q in answer) / len(answer)
-                     for h in range(heads.shape[0])]
-            expected[layer] += max(means) / 3
+            per_head = weights[0].double()
+            means = [sum(sum(float(per_head[h, q, k]) for k in record) for q in answer) / len(answer)
+                     for h in range(per_head.shape[0])]
+            layers[layer] += max(means) / len(prompts)
             for kv_head in range(model.config.num_key_value_heads):
-                expected_heads[layer, kv_head] += max(means[kv_head * groups : (kv_head + 1) * groups]) / 3
-    assert torch.allclose(torch.tensor(scores.layers, dtype=torch.float64), expected, atol=1e-5)
-    assert torch.allclose(torch.tensor(scores.heads, dtype=torch.float64), expected_heads, atol=1e-5)
+                heads[layer, kv_head] += max(means[kv_head * groups : (kv_head + 1) * groups]) / len(prompts)
+    return layers, heads
+
+
+def assert_probe_matches_eager(folder, samples: int):
+    """The probe runs SDPA and computes the answer rows' weights itself; the reference reads eager attention's."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    probed = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    scores = probe_scores(probed, tokenizer, samples=samples, length=LENGTH)
+    assert probed.config._attn_implementation == "sdpa"
+    layers, heads = brute_force_scores(folder, probe_prompts(tokenizer, samples=samples, length=LENGTH))
+    assert torch.allclose(torch.tensor(scores.layers, dtype=torch.float64), layers, atol=1e-5)
+    assert torch.allclose(torch.tensor(scores.heads, dtype=torch.float64), heads, atol=1e-5)
+
+
+def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
+    assert_probe_matches_eager(original, samples=3)
     assert rank_layers([0.1, 0.5, 0.5, 0.2]) == [1, 2, 3, 0]
     assert rank_heads([[0.1, 0.5], [0.5, 0.2]]) == [(0, 1), (1, 0), (1, 1), (0, 0)]
+
+
+@families()
+def test_every_family_probes_as_eager_attention_reads(family):
+    """Qwen2's q/k/v biases and Qwen3-MoE's q/k norms and head dim reach the probe's attention function as they
+    reach eager attention."""
+    assert_probe_matches_eager(family[2], samples=2)
 
 
 def test_the_default_plan_keeps_the_strongest_retrieval_kv_heads_full(original, tmp_path):

@@ -149,7 +149,7 @@ def test_memory_projection_of_the_llama3_recipe_at_its_real_size(tmp_path, monke
     data = write_corpus(tmp_path / "data")
     recipe = ROOT / "recipes" / "llama3_10b.yaml"
     overrides = [f"model.path={folder}", f"data.files=[{data}/*.txt]", "data.dataset=null", "data.eval_blocks=1",
-                 "data.seq_len=64", f"train.output_dir={tmp_path / 'run'}"]
+                 "data.seq_len=64", "data.long.seq_len=0", f"train.output_dir={tmp_path / 'run'}"]
     plan = finetune(recipe, overrides, dry_run=True, log=lambda *_: None)
     full = 5  # the default count, one layer in six; a weightless model cannot be probed, so they are placed evenly
     gates = (4096 + 1) * 8 * 64  # the gate projection and its bias (the recipe's gate_bias_init)
