@@ -22,15 +22,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path):
-    """Trained projections with distillation (the teacher swaps sharded values in place), and LoRA (peft under
-    FSDP2, adapters merged at export), in one launch."""
+    """Trained projections with distillation (the teacher swaps sharded values in place) on the default plan's kind
+    (full KV heads inside NHA layers) with the GPU recipes' length curriculum, and LoRA (peft under FSDP2, adapters
+    merged at export) on whole full layers, in one launch."""
     model, data = write_tiny_original(tmp_path / "orig"), write_corpus(tmp_path / "data")
-    variants = {"attention": {}, "lora": {"trainable": "lora", "lora": {"r": 2}}}
+    heads = dict(model={"convert": {"full_kv_head_ids": [[0, 1], [2, 0]], "window": 4, "slots": 4}},
+                 data={"files": [str(data / "*.txt")], "seq_len": 32, "eval_blocks": 2,
+                       "long": {"seq_len": 64, "share": 0.5}},
+                 stages={"attention_transfer": {"tokens": 256}, "lm": {"tokens": 512, "distill_weight": 1.0}})
+    variants = {"attention": ({}, heads, 4), "lora": ({"trainable": "lora", "lora": {"r": 2}}, {}, 2)}
     recipes = []
-    for name, train in variants.items():
-        finetune(tiny_recipe(model, data, tmp_path / f"{name}-one", train={**train, "batch_size": 2}),
+    for name, (train, sections, batch) in variants.items():  # the same global batch: `batch` on one process
+        finetune(tiny_recipe(model, data, tmp_path / f"{name}-one", train={**train, "batch_size": batch}, **sections),
                  log=lambda *_: None)
-        recipes.append(save_recipe(tiny_recipe(model, data, tmp_path / f"{name}-two", train={**train, "batch_size": 1}),
+        recipes.append(save_recipe(tiny_recipe(model, data, tmp_path / f"{name}-two",
+                                               train={**train, "batch_size": batch // 2}, **sections),
                                    tmp_path / f"{name}.yaml"))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "recipes/accelerate/fsdp.yaml"), "--num_processes", "2", "--main_process_port",
@@ -44,6 +50,7 @@ def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path)
         one, two = tmp_path / f"{name}-one", tmp_path / f"{name}-two"
         summary = json.loads((two / "summary.json").read_text())
         assert summary["plan"]["sharding"] == "fsdp" and summary["plan"]["processes"] == 2
+        assert summary["plan"]["long_block_steps"] == (2 if name == "attention" else 0)
         expected, sharded = loss_curve(one), loss_curve(two)
         assert [c[:2] for c in expected] == [c[:2] for c in sharded] and len(expected) == 6
         assert max(abs(a[2] - b[2]) for a, b in zip(expected, sharded)) < 1e-5, (name, expected, sharded)

@@ -33,11 +33,15 @@ def launch_zero3(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_path):
+    """The MoE recipe's kind of run: LoRA on a checkpoint with full KV heads inside NHA layers (the default plan's
+    kind), and the length curriculum, resumed before its long blocks."""
     data = write_corpus(tmp_path / "data")
     # ZeRO-3 partitions weights as they load: it trains a converted checkpoint
-    model = convert(write_tiny_original(tmp_path / "orig"), tmp_path / "nha", PlanSpec(select="even", full_layers=1, window=4, slots=4),
-                    log=lambda *_: None)
-    sections = dict(model={"convert": None}, train={"trainable": "lora", "lora": {"r": 2}})
+    model = convert(write_tiny_original(tmp_path / "orig"), tmp_path / "nha",
+                    PlanSpec(full_kv_head_ids=((0, 1), (2, 0)), window=4, slots=4), log=lambda *_: None)
+    sections = dict(model={"convert": None}, train={"trainable": "lora", "lora": {"r": 2}},
+                    data={"files": [str(data / "*.txt")], "seq_len": 32, "eval_blocks": 2,
+                          "long": {"seq_len": 64, "share": 0.5}})
     finetune(tiny_recipe(model, data, tmp_path / "one", **sections), log=lambda *_: None)
     recipe = save_recipe(tiny_recipe(model, data, tmp_path / "zero3", **sections), tmp_path / "zero3.yaml")
 
@@ -48,7 +52,7 @@ def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_pa
     launch_zero3(str(recipe), "--resume")
 
     summary = json.loads((tmp_path / "zero3" / "summary.json").read_text())
-    assert summary["plan"]["sharding"] == "zero3"
+    assert summary["plan"]["sharding"] == "zero3" and summary["plan"]["long_block_steps"] == 2
     expected, sharded = loss_curve(tmp_path / "one"), loss_curve(tmp_path / "zero3")
     assert [c[:2] for c in expected] == [c[:2] for c in sharded] and len(expected) == 6
     assert {c[1] for c in expected} == {"attention_transfer", "lm"}
