@@ -179,6 +179,8 @@ class LocalBlocks:
         return (
             f"{len(self.files)} files, {self.documents} documents, {self.total_tokens:,} tokens: "
             f"{self.train.shape[0]:,} training blocks of {self.seq_len} + {self.eval_blocks.shape[0]} held out"
+            + (f" (the length curriculum: {self.long_train.shape[0]:,} of {self.long_train.shape[1]})"
+               if self.long_train.shape[1] > self.seq_len else "")
         )
 
     def _permutation(self, epoch: int, long: bool):

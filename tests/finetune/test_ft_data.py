@@ -86,6 +86,8 @@ def test_long_blocks_are_consecutive_text_in_an_order_of_their_own(tmp_path, tok
     for row in longs:  # 48 tokens of the stream, from a multiple of 3 blocks
         assert any(torch.equal(stream[s : s + 48].long(), row) for s in range(0, len(stream) - 47, 48))
     assert len({tuple(r.tolist()) for r in longs}) == 7
+    assert data.describe().endswith(f"(the length curriculum: {data.train.shape[0] // 3} of 48)")
+    assert "curriculum" not in plain.describe()
     assert torch.equal(data.next_blocks(5), plain.next_blocks(5))
     state = data.state_dict()
     again = LocalBlocks(spec, tokenizer)
