@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ft_helpers import write_tiny_original
 from tiny_models import families
 from nha_retrofit.conversion import convert
-from nha_retrofit.conversion.layer_ranking import probe_prompts, probe_scores, rank_heads, rank_layers
+from nha_retrofit.conversion.layer_ranking import probe_prompts, prompt_scores, rank_heads, rank_layers
 from nha_retrofit.errors import NHARetrofitError
 from nha_retrofit.modeling.load import load_nha_checkpoint
 from nha_retrofit.plan import PlanSpec, build_plan
@@ -58,11 +58,11 @@ def brute_force_scores(folder, prompts) -> tuple[torch.Tensor, torch.Tensor]:
 
 def assert_probe_matches_eager(folder, samples: int):
     """The probe runs SDPA and computes the answer rows' weights itself; the reference reads eager attention's."""
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = probe_prompts(AutoTokenizer.from_pretrained(folder), samples=samples, length=LENGTH)
     probed = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
-    scores = probe_scores(probed, tokenizer, samples=samples, length=LENGTH)
+    scores = prompt_scores(probed, prompts)
     assert probed.config._attn_implementation == "sdpa"
-    layers, heads = brute_force_scores(folder, probe_prompts(tokenizer, samples=samples, length=LENGTH))
+    layers, heads = brute_force_scores(folder, prompts)
     assert torch.allclose(torch.tensor(scores.layers, dtype=torch.float64), layers, atol=1e-5)
     assert torch.allclose(torch.tensor(scores.heads, dtype=torch.float64), heads, atol=1e-5)
 
@@ -73,7 +73,7 @@ def test_scores_match_a_brute_force_reading_of_the_attention_weights(original):
     assert rank_heads([[0.1, 0.5], [0.5, 0.2]]) == [(0, 1), (1, 0), (1, 1), (0, 0)]
 
 
-@families()
+@families("qwen2.5", "qwen3_moe")
 def test_every_family_probes_as_eager_attention_reads(family):
     """Qwen2's q/k/v biases and Qwen3-MoE's q/k norms and head dim reach the probe's attention function as they
     reach eager attention."""
