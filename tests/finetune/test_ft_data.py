@@ -141,3 +141,16 @@ def test_tokenizing_shows_progress_and_gives_the_same_ids(capsys):
     shown = list(tokenize_documents(tokenizer, documents, eos_id=2, progress=True))
     assert shown == quiet and len(quiet) == 149 and all(ids[-1] == 2 for ids in quiet)
     assert "tokenizing:   0%| " in capsys.readouterr().err
+
+
+def test_exclusions_see_through_links(tmp_path, tokenizer):
+    """A file excluded by one path stays out when `files` reach it through a linked folder or a linked file."""
+    real = tmp_path / "real"
+    real.mkdir()
+    for name in ("keep.txt", "drop.txt", "other.txt"):
+        (real / name).write_text(f"{name} " * 50)
+    (tmp_path / "linked").symlink_to(real, target_is_directory=True)
+    (tmp_path / "alias.txt").symlink_to(real / "other.txt")
+    spec = DataSection(files=[str(tmp_path / "linked" / "*.txt"), str(tmp_path / "alias.txt")],
+                       exclude=[str(real / "drop.txt"), str(real / "other.txt")], seq_len=8, eval_blocks=1)
+    assert [f.name for f in LocalBlocks(spec, tokenizer).files] == ["keep.txt"]
