@@ -180,7 +180,7 @@ class LocalBlocks:
         self.long_train = self.train[: n_train // factor * factor].reshape(-1, factor * spec.seq_len)
         self.eval_blocks = tokens[len(stream) - held :].view(spec.eval_blocks, spec.seq_len).long()
         self.position = self.long_position = 0
-        self._order_of = {}
+        self._order_key, self._order = None, None
 
     @property
     def train_tokens(self) -> int:
@@ -196,12 +196,12 @@ class LocalBlocks:
 
     def _permutation(self, epoch: int, long: bool):
         """The shuffled order of one epoch over the blocks (or the long blocks), the same on every process."""
-        if (epoch, long) not in self._order_of:
+        if self._order_key != (epoch, long):
             seed = self.seed * 1_000_003 + epoch + 1
             gen = torch.Generator().manual_seed(seed + (1 << 40) if long else seed)
             rows = self.long_train if long else self.train
-            self._order_of = {(epoch, long): torch.randperm(rows.shape[0], generator=gen)}
-        return self._order_of[epoch, long]
+            self._order_key, self._order = (epoch, long), torch.randperm(rows.shape[0], generator=gen)
+        return self._order
 
     def next_blocks(self, count: int, long: bool = False) -> torch.Tensor:
         """The next `count` blocks of seq_len tokens, or of data.long.seq_len tokens with `long`."""

@@ -27,8 +27,7 @@ def test_fsdp_on_two_cpu_processes_matches_one_and_resumes_from_shards(tmp_path)
     merged at export) on whole full layers, in one launch."""
     model, data = write_tiny_original(tmp_path / "orig"), write_corpus(tmp_path / "data")
     heads = dict(model={"convert": {"full_kv_head_ids": [[0, 1], [2, 0]], "window": 4, "slots": 4}},
-                 data={"files": [str(data / "*.txt")], "seq_len": 32, "eval_blocks": 2,
-                       "long": {"seq_len": 64, "share": 0.5}},
+                 data={"long": {"seq_len": 64, "share": 0.5}},
                  stages={"attention_transfer": {"tokens": 256}, "lm": {"tokens": 512, "distill_weight": 1.0}})
     variants = {"attention": ({}, heads, 4), "lora": ({"trainable": "lora", "lora": {"r": 2}}, {}, 2)}
     recipes = []

@@ -330,7 +330,7 @@ def test_long_blocks_end_the_lm_stage_with_the_same_tokens_per_step(world, tmp_p
         return blocks
 
     monkeypatch.setattr(LocalBlocks, "next_blocks", spy)
-    long = {"files": [str(data / "*.txt")], "seq_len": 32, "eval_blocks": 2, "long": {"seq_len": 64, "share": 0.5}}
+    long = {"long": {"seq_len": 64, "share": 0.5}}  # beside tiny_recipe's 32-token blocks
     full = tiny_recipe(model, data, tmp_path / "full", data=long, train={"checkpoint_every": 100})
     summary = finetune(full, **quiet)
     assert summary["steps"] == 6 and summary["tokens"] == 384 and summary["plan"]["long_block_steps"] == 2

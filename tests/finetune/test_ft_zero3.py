@@ -40,8 +40,7 @@ def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_pa
     model = convert(write_tiny_original(tmp_path / "orig"), tmp_path / "nha",
                     PlanSpec(full_kv_head_ids=((0, 1), (2, 0)), window=4, slots=4), log=lambda *_: None)
     sections = dict(model={"convert": None}, train={"trainable": "lora", "lora": {"r": 2}},
-                    data={"files": [str(data / "*.txt")], "seq_len": 32, "eval_blocks": 2,
-                          "long": {"seq_len": 64, "share": 0.5}})
+                    data={"long": {"seq_len": 64, "share": 0.5}})
     finetune(tiny_recipe(model, data, tmp_path / "one", **sections), log=lambda *_: None)
     recipe = save_recipe(tiny_recipe(model, data, tmp_path / "zero3", **sections), tmp_path / "zero3.yaml")
 
