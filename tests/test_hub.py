@@ -190,6 +190,7 @@ def test_hub_failures_become_user_errors(family, failure, message):
     assert hub.calls == []
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: 7-10 s
 @pytest.mark.parametrize("family", ["llama3"], indirect=True)  # (the client's behaviour, not the family's)
 def test_offline_push_in_a_fresh_process_is_one_line(family):
     _, _, _, out = family

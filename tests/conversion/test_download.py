@@ -225,6 +225,7 @@ def test_a_failed_download_is_completed_by_the_next_run(hub, sources, tmp_path):
     assert_same_conversion(tmp_path / "out", sources["big"], tmp_path, PlanSpec(select="even", full_layers=1))
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: 8-11 s
 def test_the_command_in_a_fresh_process_follows_hf_endpoint_hf_home_and_hf_token(hub, sources, tmp_path):
     """The user's way: `nha-retrofit convert ID` with the environment variables huggingface_hub reads at import."""
     env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "fresh"), "HF_TOKEN": READER}

@@ -52,6 +52,7 @@ def test_real_tokenizer_is_copied(family):
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == FAMILY_TOKENIZERS[name]()(text).input_ids
 
 
+@families("qwen2.5", "qwen3_moe")  # a fresh interpreter per family: 7-9 s each
 def test_tokenizer_loads_without_nha_retrofit_with_no_prompt_and_no_warning(family, tmp_path):
     """The README's `AutoTokenizer.from_pretrained(DIR)` where only torch and transformers are installed: it reads
     config.json first, which asked to run the remote code and warned about an unknown model type."""

@@ -41,6 +41,7 @@ def test_local_tasks_score_the_original_and_the_all_full_model_alike(tiny_checkp
     assert all(value > 1 for value in perplexities.values())
 
 
+@pytest.mark.slow  # 10-17 s: lm-eval indexes its tasks in each case
 def test_wrong_task_name_and_hub_task_offline_are_one_line(tiny_checkpoint, local_tasks, offline):
     with pytest.raises(NHARetrofitError, match=r"unknown task 'arc_esy' \(did you mean 'arc_easy'\?\): neither built "
                                                r"in \(heldout, passkey, .*`lm-eval ls tasks` lists them"):
