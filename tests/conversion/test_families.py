@@ -87,7 +87,7 @@ def test_moe_routing_is_untouched_and_reports_router_logits(family):
     assert nha.model.layers[2].self_attn.g_proj.weight.grad is not None
 
 
-@families("qwen2.5", "qwen3_moe")
+@families("llama3", "qwen2.5", "qwen3_moe")  # the default tier loads a Llama checkpoint so in test_converter
 def test_fresh_process_remote_code_without_nha_retrofit(family, tmp_path):
     _, original, _, out = family
     nha = load_nha_checkpoint(out)

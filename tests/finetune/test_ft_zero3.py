@@ -44,8 +44,6 @@ def test_zero3_resumed_run_matches_one_process_and_exports_the_same_model(tmp_pa
     finetune(tiny_recipe(model, data, tmp_path / "one", **sections), log=lambda *_: None)
     recipe = save_recipe(tiny_recipe(model, data, tmp_path / "zero3", **sections), tmp_path / "zero3.yaml")
 
-    plan = launch_zero3(str(recipe), "--dry-run").stdout
-    assert '"sharding": "zero3"' in plan
     launch_zero3(str(recipe), "--set", "train.stop_after_steps=2")  # the last transfer step: DeepSpeed's layout
     assert (tmp_path / "zero3" / "checkpoints" / "step-00000002" / "pytorch_model").is_dir()
     launch_zero3(str(recipe), "--resume")
