@@ -3,7 +3,8 @@
 its native GQA (`enable_gqa`) and each KV head's query heads as that head's query positions (equal head counts, no
 GQA), each under the SDPA backends a decode step allows (`modeling_nha._DECODE_SDPA_BACKENDS`: flash, memory-efficient,
 math; cuDNN's SDPA plans anew for every key length) and under every backend, and against FlexAttention's decoding
-kernel (compiled, native GQA, the mask as a score_mod). An SDPA form with `enable_gqa` and a mask falls back to the
+kernel (compiled, native GQA, the mask as a score_mod), and against the Triton split-KV read that a float8 cache
+takes (`ops/stored_attention`). An SDPA form with `enable_gqa` and a mask falls back to the
 math kernel, which copies every key and value once per query head, unless cuDNN takes it: timed alone with every
 backend it read 32K positions of 8 kv heads in 58 us against the grouped matmuls' 102, and inside the decode step it
 took 1.8 ms per full layer (docs/benchmarks.md). So a form is judged in the step, not alone.
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nha_retrofit.bench.engine import machine_tag  # noqa: E402
 from nha_retrofit.modeling.modeling_nha import _DECODE_SDPA_BACKENDS  # noqa: E402
 from nha_retrofit.modeling.nha_cache import attend_stored  # noqa: E402
+from nha_retrofit.ops.stored_attention import split_kv_stored_attention  # noqa: E402
 from nha_retrofit.plan import PlanSpec  # noqa: E402
 
 GROUPS, HEAD_DIM = 4, 128
@@ -97,6 +99,7 @@ for _name, _read in (("sdpa_enable_gqa", sdpa_enable_gqa), ("sdpa_heads_as_queri
     FORMS[f"{_name}:decode_backends"] = under(_DECODE_SDPA_BACKENDS, _read)
     FORMS[f"{_name}:every_backend"] = under(EVERY_BACKEND, _read)
 FORMS["flex_attention"] = flex_decode
+FORMS["split_kv_triton"] = split_kv_stored_attention  # the float8 cache's read, here on the bf16 cache
 
 
 def graphed(read, args):
@@ -128,6 +131,7 @@ def microseconds_per_read(graph) -> float:
 
 def time_alone(args) -> dict:
     """Each form alone, captured in a CUDA graph: microseconds per read at each KV head count and length."""
+    forms = {name: FORMS[name] for name in args.forms.split(",")}
     generator = torch.Generator(device="cuda").manual_seed(0)
     copy_source = torch.empty(2**28, dtype=torch.uint8, device="cuda")
     copy_graph = graphed(lambda: copy_source.clone(), ())
@@ -144,11 +148,12 @@ def time_alone(args) -> dict:
             real[:, -7:] = False  # the unfilled tail of a static cache
             args_ = (query, keys, values, real, HEAD_DIM**-0.5)
             reference = attend_stored(*args_).float()
-            differences = {name: (form(*args_).float() - reference).abs().max().item() for name, form in FORMS.items()}
-            graphs = {name: graphed(form, args_) for name, form in FORMS.items()}
-            times = {name: [] for name in FORMS}
+            differences = {name: (form(*args_).float() - reference).abs().max().item()
+                           for name, form in forms.items()}
+            graphs = {name: graphed(form, args_) for name, form in forms.items()}
+            times = {name: [] for name in forms}
             for round_index in range(args.rounds):
-                order = list(FORMS) if round_index % 2 == 0 else list(reversed(FORMS))
+                order = list(forms) if round_index % 2 == 0 else list(reversed(forms))
                 for name in order:
                     times[name].append(microseconds_per_read(graphs[name]))
             cache_bytes = 2 * keys.numel() * keys.element_size()
@@ -200,8 +205,8 @@ def main():
     parser.add_argument("--in-step", action="store_true", help="time the forms inside the decode step, per plan")
     parser.add_argument("--plans", default=",".join(PLANS), help="--in-step: comma-separated, of " + ", ".join(PLANS))
     parser.add_argument("--steps", type=int, default=64, help="--in-step: timed steps per round")
-    parser.add_argument("--forms", default=",".join(FORMS), help="--in-step: comma-separated, the first the "
-                        "reference, of " + ", ".join(FORMS))
+    parser.add_argument("--forms", default=",".join(FORMS), help="comma-separated, the first the reference "
+                        "in the step, of " + ", ".join(FORMS))
     parser.add_argument("--kv-heads", default="1,4,8")
     parser.add_argument("--lengths", default="4096,32768")
     parser.add_argument("--rounds", type=int, default=5)

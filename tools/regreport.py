@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of every NHA kernel for sm_90a, without a GPU (developer tool).
+"""Registers, spills and shared memory of every NHA kernel and of the float8 cache read, for sm_90a, without a GPU
+(developer tool).
 
 Compiles each kernel with Triton for a Hopper target, as the wrappers launch it (the shipped settings,
 `ops/nha/kernels/settings.py`), and runs the ptxas bundled in Triton's wheel with -v; shared memory is Triton's own figure
@@ -37,6 +38,7 @@ from nha_retrofit.ops.nha import fused_recurrent  # noqa: E402
 from nha_retrofit.ops.nha.kernels import (chunk_bwd_slots, chunk_bwd_window, chunk_fwd, chunk_scan,  # noqa: E402
                                           chunk_states)
 from nha_retrofit.ops.nha.kernels.settings import HOPPER, chunk_tokens, forward_block  # noqa: E402
+from nha_retrofit.ops.stored_attention import split_kv  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
@@ -53,6 +55,9 @@ POINTERS = dict(Q=BF, K=BF, V=BF, QR=BF, KR=BF, DO=BF, Y=BF, X=BF, X2=BF, G=BF, 
 # the slot bias (the model's dtype), the attention mask's column, the softmax partials and the completion counters
 DECODE_POINTERS = dict(WK=BF, WV=BF, WLA=F32, LA=BF, BIAS=BF, WSTART="*i64", TOKEN_MASK="*i64", PART_ACC=F32,
                        PART_ML=F32, COUNT=I32)
+
+# the float8 static cache's read: its keys and values, their scales, the real-token flags
+STORED_POINTERS = dict(K="*fp8e4nv", V="*fp8e4nv", KS=F32, VS=F32, REAL="*u8", PART_ACC=F32, PART_ML=F32)
 
 
 def report(jitfn, consts, num_warps, num_stages=2, pointers=None, sass=False):
@@ -159,6 +164,10 @@ def cases(HQ, H, D, M):
                HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")
     out += [("decode, one block", fused_recurrent._decode_kernel, dict(dec, SINGLE=True), s.decode.warps, 2),
             ("decode, merged blocks", fused_recurrent._decode_kernel, dict(dec, SINGLE=False), s.decode.warps, 2)]
+    rows = max(16, pow2(G))
+    out += [("stored read, float8 partials", split_kv._partials_kernel,
+             dict(H=H, G=G, BG=rows, D=D, DV=D, BN=split_kv.BLOCK_N, SCALED=True, PREC="tf32"), 4, 2),
+            ("stored read, combine", split_kv._combine_kernel, dict(H=H, G=G, BG=rows, DV=D), 4, 1)]
     return out + slot_bwd_cases(HQ, H, D, M)
 
 
@@ -211,7 +220,7 @@ def main():
         for name, fn, consts, warps, stages in cases(HQ, H, D, M):
             if slot_only and not name.startswith("slot bwd") or match not in name:
                 continue
-            ptrs = DECODE_POINTERS if name.startswith("decode") else None
+            ptrs = {"decode": DECODE_POINTERS, "stored read": STORED_POINTERS}.get(name.split(",")[0])
             if not masked and "MASK" in fn.arg_names:  # without padding the wrappers pass no mask
                 consts = dict(consts, MASK=None)
             result = report(fn, consts, warps, stages, ptrs, sass)

@@ -11,6 +11,7 @@ Python state and allocates nothing that outlives it, so it can be captured once 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from ..ops.nha.dispatch import float8_stored_attention
 from ..ops.nha.state import NHAState
 
 
@@ -327,12 +328,16 @@ class StaticFullLayer(_StaticLayer):
 
     def decode(self, query, key, value, scale):
         """One token per sequence: store key and value [B, 1, H, D], then attend with query [B, 1, HQ, D] (post-RoPE)
-        over every real stored position: [B, 1, HQ, Dv]. A float8 cache is dequantized a few sequences at a time
-        (`DEQUANTIZED_BYTES` at most), so that reading it never holds a model-dtype copy of the whole layer."""
+        over every real stored position: [B, 1, HQ, Dv]. A float8 cache is read as float8 by the Triton kernel
+        where it applies, else dequantized a few sequences at a time (`DEQUANTIZED_BYTES` at most), so that reading
+        it never holds a model-dtype copy of the whole layer."""
         self._store(key.transpose(1, 2), value.transpose(1, 2))
         real = self.positions.real
         if not self.quantized:
             return attend_stored(query, self.keys, self.values, real, scale)
+        read = float8_stored_attention(query, self.keys, self.values, real, scale, self.key_scales, self.value_scales)
+        if read is not None:
+            return read
         per_sequence = 2 * self.keys[0].numel() * query.element_size()
         group = max(1, DEQUANTIZED_BYTES // per_sequence)
         parts = []

@@ -22,8 +22,8 @@ def test_help_runs_the_imports(script, monkeypatch, capsys):
 
 
 def test_the_cache_read_forms_compared_agree_with_the_shipped_read(monkeypatch):
-    """benchmarks/stored_read.py's SDPA and FlexAttention forms read what `attend_stored` reads (CPU, float32,
-    padding flags)."""
+    """benchmarks/stored_read.py's SDPA, FlexAttention and split-KV forms read what `attend_stored` reads (CPU,
+    float32, padding flags)."""
     spec = importlib.util.spec_from_file_location("stored_read", BENCHMARKS / "stored_read.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "stored_read", script)  # FlexAttention traces its score_mod by module name
@@ -34,7 +34,7 @@ def test_the_cache_read_forms_compared_agree_with_the_shipped_read(monkeypatch):
     keys, values = (torch.randn(2, 3, 300, 16, generator=gen) for _ in range(2))
     real = torch.rand(2, 300, generator=gen) > 0.3
     reference = forms["grouped_matmuls"](query, keys, values, real, 0.25)
-    assert len(forms) == 6 and reference.shape == (2, 1, 6, 16)
+    assert len(forms) == 7 and reference.shape == (2, 1, 6, 16)
     for name, read in forms.items():
         assert (read(query, keys, values, real, 0.25) - reference).abs().max() < 1e-5, name
 

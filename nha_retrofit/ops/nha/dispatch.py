@@ -1,4 +1,5 @@
-"""The one place that chooses between the Triton kernels and the plain-PyTorch forms of the NHA operator.
+"""The one place that chooses between the Triton kernels and the plain-PyTorch forms of the NHA operator (and of
+a static cache's float8 read).
 
 This file is also copied into converted checkpoints (remote code): there it imports only torch and its sibling
 files, and it uses nha_retrofit's kernels only where nha_retrofit is installed.
@@ -17,6 +18,7 @@ try:  # the Triton kernels (absolute import: this file runs as a checkpoint's re
 
     from nha_retrofit.ops.nha.chunk import nha_attention_triton, nha_chunked_triton
     from nha_retrofit.ops.nha.decode_op import nha_decode_step
+    from nha_retrofit.ops.stored_attention import split_kv_stored_attention
 except ImportError:
     triton = None
 
@@ -72,3 +74,14 @@ def nha_operator(q, k, v, q_rope, k_rope, gate_logits, gate_normalizer, window, 
     chunked = nha_chunked_triton if _use_kernels(q, k, v, q_rope, k_rope, log_alpha, ("all",)) else nha_chunked
     return chunked(q, k, v, q_rope, k_rope, log_alpha, window, scale, attention_mask=attention_mask,
                    slot_bias=slot_bias, initial_state=state, output_final_state=output_state)
+
+
+def float8_stored_attention(query, keys, values, real, scale, key_scales, value_scales):
+    """A static cache's one-token read of float8 keys and values through the Triton split-KV kernel, which reads
+    the float8 bytes where they lie: [B, 1, HQ, Dv]; None where it does not apply (off CUDA, the kernels disabled,
+    head dims that are not powers of two from 16), and the caller dequantizes."""
+    dims = (keys.shape[-1], values.shape[-1])
+    if not (KERNELS_AVAILABLE and query.is_cuda and kernel_scope() in ("all", "decode")
+            and all(d >= 16 and not d & (d - 1) for d in dims)):
+        return None
+    return split_kv_stored_attention(query, keys, values, real, scale, key_scales, value_scales)
