@@ -164,7 +164,7 @@ def cases(HQ, H, D, M):
                HAS_BIAS=True, GATE=True, RING=True, PREC="tf32")
     out += [("decode, one block", fused_recurrent._decode_kernel, dict(dec, SINGLE=True), s.decode.warps, 2),
             ("decode, merged blocks", fused_recurrent._decode_kernel, dict(dec, SINGLE=False), s.decode.warps, 2)]
-    rows = max(16, pow2(G))
+    rows = split_kv.query_rows(G)
     out += [("stored read, float8 partials", split_kv._partials_kernel,
              dict(H=H, G=G, BG=rows, D=D, DV=D, BN=split_kv.BLOCK_N, SCALED=True, PREC="tf32"), 4, 2),
             ("stored read, combine", split_kv._combine_kernel, dict(H=H, G=G, BG=rows, DV=D), 4, 1)]

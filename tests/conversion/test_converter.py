@@ -39,7 +39,7 @@ def test_smollm2_all_full_equals_original_and_generates(smollm2_nha):
         assert (nha(ids).logits - original(ids).logits).abs().max() <= 1e-5
 
 
-@pytest.mark.slow  # the gate-bias test below runs a biased checkpoint so in the default tier
+@pytest.mark.slow  # the gate-bias test below loads a biased checkpoint this way in the default tier
 def test_checkpoint_loads_and_generates_where_nha_retrofit_is_absent(tiny_llama_folder, tmp_path):
     """Fresh process, `import nha_retrofit` made impossible: only transformers + torch + the shipped files."""
     out = convert(tiny_llama_folder, tmp_path / "nha", PlanSpec(select="even", full_layers=2, window=4, slots=6), log=lambda *_: None)

@@ -78,7 +78,7 @@ def test_heldout_errors(monkeypatch):
         texts.shakespeare()
 
 
-@pytest.mark.slow  # 16 s on two cores
+@pytest.mark.slow  # 10-27 s on two cores
 def test_smollm2_on_python_stdlib(smollm2):
     model, tokenizer = smollm2
     ids = load_heldout_tokens(tokenizer, "python-stdlib", max_tokens=2048)

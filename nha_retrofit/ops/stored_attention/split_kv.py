@@ -91,6 +91,11 @@ def _combine_kernel(PART_ACC, PART_ML, O, NSPLIT, H: tl.constexpr, G: tl.constex
              mask=(r < G)[:, None])
 
 
+def query_rows(groups: int) -> int:
+    """Rows of a program's query tile: the kv head's G query heads, padded (tl.dot takes at least 16 rows)."""
+    return max(16, next_power_of_2(groups))
+
+
 @functools.cache
 def _programs_wanted(device) -> int:
     """About two programs per multiprocessor (the CPU interpreter: a few)."""
@@ -116,7 +121,7 @@ def split_kv_stored_attention(query, keys, values, real, scale, key_scales=None,
     splits = max(1, min(cdiv(_programs_wanted(query.device), programs), cdiv(length, MIN_SPLIT_TILES * BLOCK_N)))
     split_len = cdiv(cdiv(length, splits), BLOCK_N) * BLOCK_N
     splits = cdiv(length, split_len)
-    rows = max(16, next_power_of_2(groups))  # tl.dot takes at least 16 rows
+    rows = query_rows(groups)
     part_acc = torch.empty(programs * splits, rows, value_dim, dtype=torch.float32, device=query.device)
     part_ml = torch.empty(programs * splits, 2, rows, dtype=torch.float32, device=query.device)
     out = torch.empty(batch, 1, q_heads, value_dim, dtype=query.dtype, device=query.device)

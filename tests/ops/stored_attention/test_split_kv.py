@@ -50,10 +50,8 @@ def to_device(tensors):
 
 
 def float64_reference(query, keys, values, real, key_scales, value_scales, scale):
-    as64 = [t.double() if t is not None else None for t in (query, keys, values, real, key_scales, value_scales)]
-    as64[3] = real
-    q, k, v, r, ks, vs = as64
-    return naive_stored_attention(q, k, v, r, scale, ks, vs)
+    q, k, v, ks, vs = (t.double() if t is not None else None for t in (query, keys, values, key_scales, value_scales))
+    return naive_stored_attention(q, k, v, real, scale, ks, vs)
 
 
 def test_naive_equals_a_loop_over_sequences_and_heads():
